@@ -1,0 +1,379 @@
+"""InferenceDeployment spec: the single source of truth for the CRD, the builders and the CLI.
+
+Every default is explicit here and is written into the CRD schema, so `kubectl get -o yaml`
+shows the whole intent. Cross-field rules are CEL (`x-kubernetes-validations`) so that a real
+API server rejects bad objects at admission; `splitserve validate` evaluates the same rules.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, WithJsonSchema
+
+from splitserve.api.base import ApiModel, cel, immutable
+
+DEFAULT_WORKER_IMAGE = "ghcr.io/splitserve/worker:0.1.0"
+DEFAULT_ROUTER_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0"
+
+# Kubernetes resource quantities are "int or string" (cpu: 4 and cpu: "500m" are both valid).
+QUANTITY_PATTERN = r"^([+-]?[0-9.]+)([eEinumkKMGTP]*[-+]?[0-9]*)$"
+Quantity = Annotated[
+    int | str,
+    WithJsonSchema(
+        {
+            "x-kubernetes-int-or-string": True,
+            "anyOf": [{"type": "integer"}, {"type": "string", "pattern": QUANTITY_PATTERN}],
+        }
+    ),
+]
+# Opaque Kubernetes objects passed through to pod specs (tolerations, affinity, valueFrom):
+# the API server validates them where they land, in the Deployment.
+Opaque = Annotated[
+    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
+]
+DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+
+
+class Mode(StrEnum):
+    DISAGGREGATED = "disaggregated"
+    AGGREGATED = "aggregated"
+
+
+class Role(StrEnum):
+    """What a worker process does. `aggregated` does prefill and decode in one engine."""
+
+    PREFILL = "prefill"
+    DECODE = "decode"
+    AGGREGATED = "aggregated"
+
+
+class Connector(StrEnum):
+    NIXL = "NixlConnector"
+    LMCACHE = "LMCacheConnectorV1"
+    MOONCAKE = "MooncakeConnector"
+    EXAMPLE = "ExampleConnector"
+    NONE = "None"
+
+
+class RoutingPolicy(StrEnum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+    PREFIX_AWARE = "prefix-aware"
+    KV_AWARE = "kv-aware"
+
+
+# --------------------------------------------------------------------------- model
+
+
+class SecretKeyRef(ApiModel):
+    name: str = Field(description="Name of a Secret in the InferenceDeployment's namespace.", min_length=1)
+    key: str = Field("token", description="Key inside the Secret.", min_length=1)
+
+
+class HuggingFaceSource(ApiModel):
+    repo: str = Field(
+        description="Hugging Face repository, e.g. meta-llama/Llama-3.1-8B-Instruct.", min_length=1
+    )
+    revision: str = Field("main", description="Branch, tag or commit of the repository.")
+    token_secret_ref: SecretKeyRef | None = Field(None, description="Secret holding an HF token (HF_TOKEN).")
+
+
+class PvcSource(ApiModel):
+    claim_name: str = Field(description="PersistentVolumeClaim holding the model files.", pattern=DNS_LABEL)
+    path: str = Field("/", description="Directory of the model inside the volume.")
+
+
+class ModelSource(ApiModel):
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
+                    "model.source needs exactly one of huggingFace, pvc or uri",
+                )
+            ]
+        }
+    }
+
+    hugging_face: HuggingFaceSource | None = Field(None, description="Download from the Hugging Face Hub.")
+    pvc: PvcSource | None = Field(None, description="Mount a PersistentVolumeClaim that holds the model.")
+    uri: str | None = Field(
+        None, description="Any location vLLM accepts as --model (s3://, gs://, a path in the image)."
+    )
+
+
+class ModelSpec(ApiModel):
+    name: str = Field(
+        description="Served model name: what clients put in the OpenAI `model` field.",
+        min_length=1,
+        max_length=128,
+        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
+        json_schema_extra=immutable(
+            "model.name is immutable: clients and dashboards key on it; create a new InferenceDeployment"
+        ),
+    )
+    source: ModelSource
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
+        "auto", description="Weight/activation dtype."
+    )
+    quantization: Literal["none", "fp8", "int8", "awq", "gptq"] = Field(
+        "none", description="Weight quantization; fp8/int8 halve weight memory compared with 16-bit."
+    )
+    max_model_len: int | None = Field(None, ge=16, le=10_000_000, description="Max context length (tokens).")
+    parameter_count: int | None = Field(
+        None,
+        ge=1,
+        description="Declared parameter count (e.g. 70000000000) for when the model's config cannot be read.",
+    )
+
+
+# --------------------------------------------------------------------------- engine
+
+
+class EnvVar(ApiModel):
+    name: str = Field(min_length=1, pattern=r"^[-._a-zA-Z][-._a-zA-Z0-9]*$")
+    value: str | None = None
+    value_from: Opaque | None = Field(None, description="As in a container's env[].valueFrom.")
+
+
+class SpeculativeDecoding(ApiModel):
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.method != 'draft' || (has(self.draftModel) && size(self.draftModel) > 0)",
+                    "speculativeDecoding.method 'draft' needs speculativeDecoding.draftModel",
+                )
+            ]
+        }
+    }
+
+    method: Literal["off", "ngram", "draft"] = Field(
+        "off", description="off, ngram prompt lookup, or a draft model."
+    )
+    num_speculative_tokens: int = Field(3, ge=1, le=16, description="Tokens proposed per step (k).")
+    draft_model: str | None = Field(None, description="Draft model (HF repo or path) when method is draft.")
+    ngram_prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched for ngram.")
+
+
+class EngineSpec(ApiModel):
+    image: str = Field(DEFAULT_WORKER_IMAGE, min_length=1, description="Worker image (vLLM plus splitserve).")
+    image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
+    port: int = Field(8000, ge=1024, le=65535, description="HTTP port of every worker.")
+    extra_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments for every role.")
+    env: list[EnvVar] = Field(default_factory=list, description="Extra environment for every worker.")
+    prefix_caching: bool = Field(True, description="vLLM automatic prefix caching.")
+    chunked_prefill: bool = Field(True, description="vLLM chunked prefill.")
+    speculative_decoding: SpeculativeDecoding = Field(default_factory=SpeculativeDecoding)
+    gpu_memory_utilization: float = Field(
+        0.9, ge=0.05, le=0.99, description="Fraction of GPU memory vLLM may use (weights + KV cache)."
+    )
+    block_size: Literal[8, 16, 32, 64, 128] | None = Field(None, description="PagedAttention KV block size.")
+    max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Max sequences in a running batch.")
+
+
+# --------------------------------------------------------------------------- KV transfer
+
+
+class KvTransferSpec(ApiModel):
+    connector: Connector = Field(
+        Connector.NIXL,
+        description="vLLM KV connector moving a prompt's KV cache from prefill to decode.",
+        json_schema_extra=immutable(
+            "kvTransfer.connector is immutable: old and new pods could not exchange KV during a rollout"
+        ),
+    )
+    buffer_device: Literal["cuda", "cpu"] = Field("cuda", description="Where the connector stages KV blocks.")
+    side_channel_port: int = Field(5600, ge=1024, le=65535, description="NIXL handshake (side-channel) port.")
+    shared_storage_path: str = Field(
+        "/var/lib/splitserve/kv", description="ExampleConnector only: directory shared by both pools."
+    )
+
+
+# --------------------------------------------------------------------------- pools
+
+
+class PoolResources(ApiModel):
+    gpus: int = Field(1, ge=0, le=64, description="GPUs per replica (0 for CPU-only pools).")
+    gpu_resource_name: str = Field(
+        "nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU."
+    )
+    cpu: Quantity = Field("4", description="CPU request per replica.")
+    memory: Quantity = Field("32Gi", description="Memory request per replica (also its limit).")
+    shared_memory: Quantity = Field("8Gi", description="Size of /dev/shm (tensor parallel uses it).")
+
+
+class PoolSpec(ApiModel):
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.minReplicas <= self.maxReplicas",
+                    "minReplicas must be less than or equal to maxReplicas",
+                    field_path=".minReplicas",
+                ),
+                cel(
+                    "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
+                    "replicas must lie between minReplicas and maxReplicas",
+                    field_path=".replicas",
+                ),
+                cel(
+                    "self.resources.gpus % self.tensorParallelSize == 0",
+                    "resources.gpus must be a multiple of tensorParallelSize (each engine shard needs one GPU)",
+                    field_path=".resources.gpus",
+                ),
+            ]
+        }
+    }
+
+    replicas: int = Field(
+        1, ge=0, le=1000, description="Replicas when autoscaling is off; the start size when on."
+    )
+    min_replicas: int = Field(
+        1, ge=0, le=1000, description="Lower bound for autoscaling (0 allows scale to zero)."
+    )
+    max_replicas: int = Field(4, ge=0, le=1000, description="Upper bound for autoscaling.")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine instance spans.")
+    resources: PoolResources = Field(default_factory=PoolResources)
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Opaque] = Field(default_factory=list)
+    affinity: Opaque | None = None
+    extra_args: list[str] = Field(
+        default_factory=list, description="Extra vLLM arguments for this role only."
+    )
+    termination_grace_period_seconds: int = Field(
+        180, ge=0, le=3600, description="Time a worker has to drain in-flight requests when it is removed."
+    )
+
+
+# --------------------------------------------------------------------------- router
+
+
+class RouterPolicies(ApiModel):
+    prefill: RoutingPolicy = Field(
+        RoutingPolicy.PREFIX_AWARE, description="Policy choosing a prefill worker."
+    )
+    decode: RoutingPolicy = Field(RoutingPolicy.LEAST_LOADED, description="Policy choosing a decode worker.")
+
+
+class RouterTimeouts(ApiModel):
+    connect_seconds: float = Field(5, gt=0, le=300)
+    prefill_seconds: float = Field(120, gt=0, le=3600, description="Whole prefill leg.")
+    first_token_seconds: float = Field(120, gt=0, le=3600, description="Decode leg until its first byte.")
+    request_seconds: float = Field(900, gt=0, le=86400, description="Whole request.")
+    queue_seconds: float = Field(60, gt=0, le=3600, description="Longest wait in the admission queue.")
+
+
+class RouterSpec(ApiModel):
+    replicas: int = Field(2, ge=0, le=100)
+    image: str = Field(DEFAULT_ROUTER_IMAGE, min_length=1)
+    routing_policy: RouterPolicies = Field(default_factory=RouterPolicies)
+    service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
+    port: int = Field(8000, ge=1, le=65535, description="Port of the router Service (OpenAI endpoint).")
+    admission_queue_limit: int = Field(1024, ge=1, le=1_000_000, description="Requests held before 429.")
+    timeouts: RouterTimeouts = Field(default_factory=RouterTimeouts)
+    disaggregation_threshold_tokens: int = Field(
+        256, ge=0, le=1_000_000, description="Prompts shorter than this skip the prefill pool."
+    )
+    cpu: Quantity = "1"
+    memory: Quantity = "1Gi"
+
+
+# --------------------------------------------------------------------------- autoscaling
+
+
+class PrefillTargets(ApiModel):
+    waiting_per_replica: float = Field(4, gt=0, description="Queued prompts per prefill replica.")
+    ttft_slo_seconds: float = Field(1.0, gt=0, description="p90 time to first token to hold.")
+
+
+class DecodeTargets(ApiModel):
+    running_per_replica: float = Field(32, gt=0, description="Running sequences per decode replica.")
+    waiting_per_replica: float = Field(2, gt=0, description="Queued requests per decode replica.")
+    kv_cache_usage: float = Field(0.8, gt=0, le=1, description="KV cache usage to stay under.")
+    itl_slo_seconds: float = Field(0.05, gt=0, description="p90 inter-token latency to hold.")
+
+
+class RatioBounds(ApiModel):
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [cel("self.min <= self.max", "prefillDecodeRatio.min must be <= max")]
+        }
+    }
+
+    min: float = Field(0.0, ge=0, description="Lowest prefill:decode replica ratio.")
+    max: float = Field(100.0, gt=0, description="Highest prefill:decode replica ratio.")
+
+
+class AutoscalingSpec(ApiModel):
+    enabled: bool = False
+    backend: Literal["builtin", "keda", "hpa"] = Field(
+        "builtin", description="Built-in loop, KEDA or HPA v2."
+    )
+    prometheus_url: str = Field(
+        "http://prometheus-operated.monitoring.svc:9090",
+        pattern=r"^https?://",
+        description="Prometheus HTTP API.",
+    )
+    interval_seconds: int = Field(15, ge=1, le=3600)
+    scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600)
+    scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
+    max_step: int = Field(4, ge=1, le=100, description="Most replicas added or removed per decision.")
+    tolerance: float = Field(
+        0.1, ge=0, le=1, description="Relative band around the target that changes nothing."
+    )
+    prefill: PrefillTargets = Field(default_factory=PrefillTargets)
+    decode: DecodeTargets = Field(default_factory=DecodeTargets)
+    prefill_decode_ratio: RatioBounds | None = None
+    queries: dict[str, str] = Field(default_factory=dict, description="PromQL overrides by signal name.")
+
+
+# --------------------------------------------------------------------------- monitoring & optimization
+
+
+class MonitoringSpec(ApiModel):
+    enabled: bool = Field(False, description="Create a ServiceMonitor (router) and a PodMonitor (workers).")
+    interval_seconds: int = Field(15, ge=1, le=600)
+    labels: dict[str, str] = Field(
+        default_factory=dict, description="Labels your Prometheus selects monitors by."
+    )
+
+
+class OptimizationSpec(ApiModel):
+    dynamic: bool = Field(False, description="Let the operator apply diagnosis recommendations by itself.")
+    veto: list[Literal["mode", "speculativeDecoding", "ratio"]] = Field(
+        default_factory=list, description="Changes dynamic optimization must never make."
+    )
+
+
+# --------------------------------------------------------------------------- root
+
+
+class InferenceDeploymentSpec(ApiModel):
+    model_config = ApiModel.model_config | {
+        "json_schema_extra": {
+            "x-kubernetes-validations": [
+                cel(
+                    "self.mode == 'aggregated' || self.kvTransfer.connector != 'None'",
+                    "disaggregated mode needs a KV connector: set kvTransfer.connector or mode: aggregated",
+                    field_path=".kvTransfer.connector",
+                ),
+            ]
+        }
+    }
+
+    model: ModelSpec
+    engine: EngineSpec = Field(default_factory=EngineSpec)
+    kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
+    mode: Mode = Field(
+        Mode.DISAGGREGATED,
+        description="disaggregated: separate prefill and decode pools. aggregated: one pool (the decode pool's settings).",
+    )
+    prefill: PoolSpec = Field(default_factory=PoolSpec)
+    decode: PoolSpec = Field(default_factory=PoolSpec)
+    router: RouterSpec = Field(default_factory=RouterSpec)
+    autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
+    monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
+    optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)

@@ -1,0 +1,94 @@
+"""InferenceDeployment status: observation only, following Kubernetes API conventions.
+
+Conditions are a list keyed by `type`; `Ready` is rolled up from PrefillReady, DecodeReady and
+RouterReady the way KServe rolls its per-workload conditions. There is no `phase` enum.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any, Literal
+
+from pydantic import Field
+
+from splitserve.api.base import ApiModel
+
+
+class ConditionType(StrEnum):
+    READY = "Ready"
+    PREFILL_READY = "PrefillReady"
+    DECODE_READY = "DecodeReady"
+    ROUTER_READY = "RouterReady"
+    PROGRESSING = "Progressing"
+    DEGRADED = "Degraded"
+    AUTOSCALING_ACTIVE = "AutoscalingActive"
+
+
+ConditionStatus = Literal["True", "False", "Unknown"]
+
+
+class Condition(ApiModel):
+    type: str = Field(min_length=1, max_length=316)
+    status: ConditionStatus
+    reason: str = Field(pattern=r"^[A-Za-z]([A-Za-z0-9_,:]*[A-Za-z0-9_])?$", max_length=1024)
+    message: str = Field("", max_length=32768)
+    last_transition_time: str = Field(description="RFC 3339 time of the last status change.")
+    observed_generation: int = Field(0, ge=0)
+
+
+class PoolStatus(ApiModel):
+    replicas: int = 0
+    ready_replicas: int = 0
+    desired_replicas: int = 0
+    summary: str = Field("0/0", description="ready/desired, for kubectl columns.")
+
+
+class AutoscalingDecision(ApiModel):
+    pool: str
+    from_replicas: int
+    to_replicas: int
+    reason: str
+    time: str
+
+
+class AutoscalingStatus(ApiModel):
+    last_decision_time: str | None = None
+    last_decisions: list[AutoscalingDecision] = Field(default_factory=list, max_length=10)
+    signals: dict[str, float] = Field(default_factory=dict, description="Numbers behind the last decision.")
+
+
+class Finding(ApiModel):
+    question: str
+    verdict: str
+    evidence: str = ""
+    recommendation: str = ""
+    patch: dict[str, Any] | None = None
+
+
+class DiagnosisStatus(ApiModel):
+    time: str | None = None
+    summary: str = ""
+    findings: list[Finding] = Field(default_factory=list, max_length=12)
+
+
+class OptimizationEvent(ApiModel):
+    time: str
+    action: str
+    reason: str
+    reverted: bool = False
+
+
+class InferenceDeploymentStatus(ApiModel):
+    observed_generation: int = 0
+    conditions: list[Condition] = Field(default_factory=list)
+    prefill: PoolStatus = Field(default_factory=PoolStatus)
+    decode: PoolStatus = Field(default_factory=PoolStatus)
+    router: PoolStatus = Field(default_factory=PoolStatus)
+    endpoint: str = Field("", description="In-cluster URL of the router's OpenAI endpoint.")
+    ready: str = Field("Unknown", description="The Ready condition's status, for kubectl columns.")
+    mode: str = Field(
+        "", description="The mode being served (may differ from spec under dynamic optimization)."
+    )
+    autoscaling: AutoscalingStatus | None = None
+    diagnosis: DiagnosisStatus | None = None
+    optimization: list[OptimizationEvent] = Field(default_factory=list, max_length=20)

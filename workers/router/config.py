@@ -1,0 +1,69 @@
+"""Router configuration: one frozen value built by the CLI (or by tests) and read everywhere."""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+
+class DiscoveryKind(enum.StrEnum):
+    STATIC = "static"
+    DNS = "dns"
+    KUBERNETES = "kubernetes"
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    """Everything the router needs to know; durations in seconds, sizes in bytes or tokens."""
+
+    host: str = "0.0.0.0"
+    port: int = 8000
+    # The served model name clients must send; None accepts any name and asks decode for /v1/models.
+    model: str | None = None
+
+    discovery: DiscoveryKind = DiscoveryKind.STATIC
+    prefill_urls: tuple[str, ...] = ()
+    decode_urls: tuple[str, ...] = ()
+    namespace: str = "default"
+    prefill_service: str | None = None
+    decode_service: str | None = None
+    worker_port: int = 8000
+    kubeconfig: str | None = None
+    dns_interval: float = 5.0
+
+    prefill_policy: str = "round-robin"
+    decode_policy: str = "least-loaded"
+
+    # Admission: requests wait (bounded) for a worker slot; beyond queue_limit waiters -> 429.
+    queue_limit: int = 1024
+    queue_timeout: float = 30.0
+    # Per-worker concurrency cap: what a worker is given before the router starts queueing.
+    max_inflight_per_worker: int = 256
+
+    connect_timeout: float = 5.0
+    prefill_timeout: float = 120.0
+    # Longest wait for decode's first byte and, while streaming, between two chunks.
+    decode_timeout: float = 120.0
+    request_timeout: float = 900.0
+
+    # Prompts shorter than this many tokens skip prefill (0: always disaggregate when a prefill exists).
+    disagg_threshold_tokens: int = 0
+    max_body_bytes: int = 8 * 1024 * 1024
+    drain_seconds: float = 30.0
+    tokenizer: str | None = None
+    # Without a tokenizer a token is approximated as this many bytes of UTF-8 prompt text.
+    approx_bytes_per_token: int = 4
+    prefix_block_tokens: int = 16
+
+    # Reliability knobs.
+    max_retries: int = 2
+    eject_after_failures: int = 3
+    eject_min_seconds: float = 2.0
+    health_interval: float = 1.0
+    metrics_poll_interval: float = 1.0
+
+    @property
+    def has_prefill_source(self) -> bool:
+        if self.discovery is DiscoveryKind.STATIC:
+            return bool(self.prefill_urls)
+        return bool(self.prefill_service)
