@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, JsonValue
 from pydantic.alias_generators import to_camel
 
 API_GROUP = "splitserve.io"
@@ -15,9 +15,7 @@ SINGULAR = "inferencedeployment"
 SHORT_NAMES = ["idep"]
 
 
-def cel(
-    rule: str, message: str, *, field_path: str | None = None, reason: str | None = None
-) -> dict[str, str]:
+def cel(rule: str, message: str, *, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
     """One `x-kubernetes-validations` entry (a CEL rule with the message a person reads)."""
     entry = {"rule": rule, "message": message}
     if field_path:
@@ -25,6 +23,12 @@ def cel(
     if reason:
         entry["reason"] = reason
     return entry
+
+
+def cel_rules(*rules: dict[str, str]) -> ConfigDict:
+    """Model config adding CEL rules to the object's schema (pydantic merges it with the parent's)."""
+    validations: list[JsonValue] = [dict(rule) for rule in rules]
+    return ConfigDict(json_schema_extra={"x-kubernetes-validations": validations})
 
 
 def immutable(message: str) -> dict[str, Any]:

@@ -12,7 +12,7 @@ from typing import Annotated, Any, Literal
 
 from pydantic import Field, WithJsonSchema
 
-from splitserve.api.base import ApiModel, cel, immutable
+from splitserve.api.base import ApiModel, cel, cel_rules, immutable
 
 DEFAULT_WORKER_IMAGE = "ghcr.io/splitserve/worker:0.1.0"
 DEFAULT_ROUTER_IMAGE = "ghcr.io/splitserve/splitserve:0.1.0"
@@ -30,9 +30,7 @@ Quantity = Annotated[
 ]
 # Opaque Kubernetes objects passed through to pod specs (tolerations, affinity, valueFrom):
 # the API server validates them where they land, in the Deployment.
-Opaque = Annotated[
-    dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})
-]
+Opaque = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -73,9 +71,7 @@ class SecretKeyRef(ApiModel):
 
 
 class HuggingFaceSource(ApiModel):
-    repo: str = Field(
-        description="Hugging Face repository, e.g. meta-llama/Llama-3.1-8B-Instruct.", min_length=1
-    )
+    repo: str = Field(description="Hugging Face repository, e.g. meta-llama/Llama-3.1-8B-Instruct.", min_length=1)
     revision: str = Field("main", description="Branch, tag or commit of the repository.")
     token_secret_ref: SecretKeyRef | None = Field(None, description="Secret holding an HF token (HF_TOKEN).")
 
@@ -86,16 +82,12 @@ class PvcSource(ApiModel):
 
 
 class ModelSource(ApiModel):
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
-                    "model.source needs exactly one of huggingFace, pvc or uri",
-                )
-            ]
-        }
-    }
+    model_config = cel_rules(
+        cel(
+            "[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
+            "model.source needs exactly one of huggingFace, pvc or uri",
+        )
+    )
 
     hugging_face: HuggingFaceSource | None = Field(None, description="Download from the Hugging Face Hub.")
     pvc: PvcSource | None = Field(None, description="Mount a PersistentVolumeClaim that holds the model.")
@@ -115,9 +107,7 @@ class ModelSpec(ApiModel):
         ),
     )
     source: ModelSource
-    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field(
-        "auto", description="Weight/activation dtype."
-    )
+    dtype: Literal["auto", "float16", "bfloat16", "float32"] = Field("auto", description="Weight/activation dtype.")
     quantization: Literal["none", "fp8", "int8", "awq", "gptq"] = Field(
         "none", description="Weight quantization; fp8/int8 halve weight memory compared with 16-bit."
     )
@@ -139,20 +129,14 @@ class EnvVar(ApiModel):
 
 
 class SpeculativeDecoding(ApiModel):
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "self.method != 'draft' || (has(self.draftModel) && size(self.draftModel) > 0)",
-                    "speculativeDecoding.method 'draft' needs speculativeDecoding.draftModel",
-                )
-            ]
-        }
-    }
-
-    method: Literal["off", "ngram", "draft"] = Field(
-        "off", description="off, ngram prompt lookup, or a draft model."
+    model_config = cel_rules(
+        cel(
+            "self.method != 'draft' || (has(self.draftModel) && size(self.draftModel) > 0)",
+            "speculativeDecoding.method 'draft' needs speculativeDecoding.draftModel",
+        )
     )
+
+    method: Literal["off", "ngram", "draft"] = Field("off", description="off, ngram prompt lookup, or a draft model.")
     num_speculative_tokens: int = Field(3, ge=1, le=16, description="Tokens proposed per step (k).")
     draft_model: str | None = Field(None, description="Draft model (HF repo or path) when method is draft.")
     ngram_prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched for ngram.")
@@ -197,52 +181,40 @@ class KvTransferSpec(ApiModel):
 
 class PoolResources(ApiModel):
     gpus: int = Field(1, ge=0, le=64, description="GPUs per replica (0 for CPU-only pools).")
-    gpu_resource_name: str = Field(
-        "nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU."
-    )
+    gpu_resource_name: str = Field("nvidia.com/gpu", min_length=1, description="Extended resource name of a GPU.")
     cpu: Quantity = Field("4", description="CPU request per replica.")
     memory: Quantity = Field("32Gi", description="Memory request per replica (also its limit).")
     shared_memory: Quantity = Field("8Gi", description="Size of /dev/shm (tensor parallel uses it).")
 
 
 class PoolSpec(ApiModel):
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "self.minReplicas <= self.maxReplicas",
-                    "minReplicas must be less than or equal to maxReplicas",
-                    field_path=".minReplicas",
-                ),
-                cel(
-                    "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
-                    "replicas must lie between minReplicas and maxReplicas",
-                    field_path=".replicas",
-                ),
-                cel(
-                    "self.resources.gpus % self.tensorParallelSize == 0",
-                    "resources.gpus must be a multiple of tensorParallelSize (each engine shard needs one GPU)",
-                    field_path=".resources.gpus",
-                ),
-            ]
-        }
-    }
+    model_config = cel_rules(
+        cel(
+            "self.minReplicas <= self.maxReplicas",
+            "minReplicas must be less than or equal to maxReplicas",
+            field_path=".minReplicas",
+        ),
+        cel(
+            "self.replicas >= self.minReplicas && self.replicas <= self.maxReplicas",
+            "replicas must lie between minReplicas and maxReplicas",
+            field_path=".replicas",
+        ),
+        cel(
+            "self.resources.gpus % self.tensorParallelSize == 0",
+            "resources.gpus must be a multiple of tensorParallelSize (each engine shard needs one GPU)",
+            field_path=".resources.gpus",
+        ),
+    )
 
-    replicas: int = Field(
-        1, ge=0, le=1000, description="Replicas when autoscaling is off; the start size when on."
-    )
-    min_replicas: int = Field(
-        1, ge=0, le=1000, description="Lower bound for autoscaling (0 allows scale to zero)."
-    )
+    replicas: int = Field(1, ge=0, le=1000, description="Replicas when autoscaling is off; the start size when on.")
+    min_replicas: int = Field(1, ge=0, le=1000, description="Lower bound for autoscaling (0 allows scale to zero).")
     max_replicas: int = Field(4, ge=0, le=1000, description="Upper bound for autoscaling.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine instance spans.")
     resources: PoolResources = Field(default_factory=PoolResources)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[Opaque] = Field(default_factory=list)
     affinity: Opaque | None = None
-    extra_args: list[str] = Field(
-        default_factory=list, description="Extra vLLM arguments for this role only."
-    )
+    extra_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments for this role only.")
     termination_grace_period_seconds: int = Field(
         180, ge=0, le=3600, description="Time a worker has to drain in-flight requests when it is removed."
     )
@@ -252,9 +224,7 @@ class PoolSpec(ApiModel):
 
 
 class RouterPolicies(ApiModel):
-    prefill: RoutingPolicy = Field(
-        RoutingPolicy.PREFIX_AWARE, description="Policy choosing a prefill worker."
-    )
+    prefill: RoutingPolicy = Field(RoutingPolicy.PREFIX_AWARE, description="Policy choosing a prefill worker.")
     decode: RoutingPolicy = Field(RoutingPolicy.LEAST_LOADED, description="Policy choosing a decode worker.")
 
 
@@ -297,11 +267,7 @@ class DecodeTargets(ApiModel):
 
 
 class RatioBounds(ApiModel):
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [cel("self.min <= self.max", "prefillDecodeRatio.min must be <= max")]
-        }
-    }
+    model_config = cel_rules(cel("self.min <= self.max", "prefillDecodeRatio.min must be <= max"))
 
     min: float = Field(0.0, ge=0, description="Lowest prefill:decode replica ratio.")
     max: float = Field(100.0, gt=0, description="Highest prefill:decode replica ratio.")
@@ -309,9 +275,7 @@ class RatioBounds(ApiModel):
 
 class AutoscalingSpec(ApiModel):
     enabled: bool = False
-    backend: Literal["builtin", "keda", "hpa"] = Field(
-        "builtin", description="Built-in loop, KEDA or HPA v2."
-    )
+    backend: Literal["builtin", "keda", "hpa"] = Field("builtin", description="Built-in loop, KEDA or HPA v2.")
     prometheus_url: str = Field(
         "http://prometheus-operated.monitoring.svc:9090",
         pattern=r"^https?://",
@@ -321,9 +285,7 @@ class AutoscalingSpec(ApiModel):
     scale_up_stabilization_seconds: int = Field(0, ge=0, le=3600)
     scale_down_stabilization_seconds: int = Field(300, ge=0, le=86400)
     max_step: int = Field(4, ge=1, le=100, description="Most replicas added or removed per decision.")
-    tolerance: float = Field(
-        0.1, ge=0, le=1, description="Relative band around the target that changes nothing."
-    )
+    tolerance: float = Field(0.1, ge=0, le=1, description="Relative band around the target that changes nothing.")
     prefill: PrefillTargets = Field(default_factory=PrefillTargets)
     decode: DecodeTargets = Field(default_factory=DecodeTargets)
     prefill_decode_ratio: RatioBounds | None = None
@@ -336,9 +298,7 @@ class AutoscalingSpec(ApiModel):
 class MonitoringSpec(ApiModel):
     enabled: bool = Field(False, description="Create a ServiceMonitor (router) and a PodMonitor (workers).")
     interval_seconds: int = Field(15, ge=1, le=600)
-    labels: dict[str, str] = Field(
-        default_factory=dict, description="Labels your Prometheus selects monitors by."
-    )
+    labels: dict[str, str] = Field(default_factory=dict, description="Labels your Prometheus selects monitors by.")
 
 
 class OptimizationSpec(ApiModel):
@@ -352,24 +312,20 @@ class OptimizationSpec(ApiModel):
 
 
 class InferenceDeploymentSpec(ApiModel):
-    model_config = ApiModel.model_config | {
-        "json_schema_extra": {
-            "x-kubernetes-validations": [
-                cel(
-                    "self.mode == 'aggregated' || self.kvTransfer.connector != 'None'",
-                    "disaggregated mode needs a KV connector: set kvTransfer.connector or mode: aggregated",
-                    field_path=".kvTransfer.connector",
-                ),
-            ]
-        }
-    }
+    model_config = cel_rules(
+        cel(
+            "self.mode == 'aggregated' || self.kvTransfer.connector != 'None'",
+            "disaggregated mode needs a KV connector: set kvTransfer.connector or mode: aggregated",
+            field_path=".kvTransfer.connector",
+        ),
+    )
 
     model: ModelSpec
     engine: EngineSpec = Field(default_factory=EngineSpec)
     kv_transfer: KvTransferSpec = Field(default_factory=KvTransferSpec)
     mode: Mode = Field(
         Mode.DISAGGREGATED,
-        description="disaggregated: separate prefill and decode pools. aggregated: one pool (the decode pool's settings).",
+        description="disaggregated: separate prefill and decode pools; aggregated: one pool (decode's settings).",
     )
     prefill: PoolSpec = Field(default_factory=PoolSpec)
     decode: PoolSpec = Field(default_factory=PoolSpec)

@@ -86,9 +86,7 @@ class InferenceDeploymentStatus(ApiModel):
     router: PoolStatus = Field(default_factory=PoolStatus)
     endpoint: str = Field("", description="In-cluster URL of the router's OpenAI endpoint.")
     ready: str = Field("Unknown", description="The Ready condition's status, for kubectl columns.")
-    mode: str = Field(
-        "", description="The mode being served (may differ from spec under dynamic optimization)."
-    )
+    mode: str = Field("", description="The mode being served (may differ from spec under dynamic optimization).")
     autoscaling: AutoscalingStatus | None = None
     diagnosis: DiagnosisStatus | None = None
     optimization: list[OptimizationEvent] = Field(default_factory=list, max_length=20)

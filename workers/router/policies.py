@@ -1,0 +1,208 @@
+"""Routing policies: pure choices of one worker among candidates, behind one interface.
+
+A policy sees only :class:`WorkerView` values (a key, in-flight count, and the load figures polled
+from the worker's /metrics) and a :class:`RoutingRequest`; it never does I/O. Policies may keep
+state (a round-robin cursor, a prefix table), so each pool gets its own instance.
+"""
+
+from __future__ import annotations
+
+import enum
+import random
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Protocol, TypeVar
+
+
+class WorkerView(Protocol):
+    @property
+    def key(self) -> str: ...
+
+    @property
+    def inflight(self) -> int: ...
+
+    @property
+    def kv_usage(self) -> float | None:
+        """KV-cache usage in [0, 1] from vllm:kv_cache_usage_perc, None when unknown."""
+        ...
+
+    @property
+    def waiting(self) -> float | None:
+        """Requests waiting in the engine, from vllm:num_requests_waiting, None when unknown."""
+        ...
+
+
+W = TypeVar("W", bound=WorkerView)
+
+
+@dataclass(frozen=True)
+class RoutingRequest:
+    prompt_tokens: int = 0
+    block_hashes: tuple[int, ...] = ()
+
+
+class RoutingPolicy(Protocol):
+    name: str
+
+    def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
+        """Pick one of ``candidates`` (never empty)."""
+        ...
+
+
+class RoundRobin:
+    name = "round-robin"
+
+    def __init__(self) -> None:
+        self._cursor = 0
+
+    def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
+        # Candidates are given in a stable order (by key), so the cursor walks them evenly.
+        chosen = candidates[self._cursor % len(candidates)]
+        self._cursor += 1
+        return chosen
+
+
+class LeastLoaded:
+    """Power of two choices on in-flight requests: near-best balance at O(1) cost."""
+
+    name = "least-loaded"
+
+    def __init__(self, rng: random.Random | None = None) -> None:
+        self._rng = rng or random.Random()
+
+    def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
+        if len(candidates) == 1:
+            return candidates[0]
+        a, b = self._rng.sample(range(len(candidates)), 2)
+        first, second = candidates[a], candidates[b]
+        return first if first.inflight <= second.inflight else second
+
+
+class KvAware:
+    """Lowest engine pressure: KV usage and waiting queue from the worker's /metrics, plus the
+    router's own in-flight count (which is fresher than a one-second-old poll)."""
+
+    name = "kv-aware"
+
+    def __init__(self, waiting_weight: float = 1.0, kv_weight: float = 4.0) -> None:
+        self._waiting_weight = waiting_weight
+        self._kv_weight = kv_weight
+        self._cursor = 0
+
+    def score(self, worker: WorkerView) -> float:
+        kv = worker.kv_usage if worker.kv_usage is not None else 0.0
+        waiting = worker.waiting if worker.waiting is not None else 0.0
+        # KV usage near 1.0 means preemptions are coming: weight it like several queued requests.
+        return worker.inflight + self._waiting_weight * waiting + self._kv_weight * kv * 10.0
+
+    def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
+        best = min(self.score(c) for c in candidates)
+        ties = [c for c in candidates if self.score(c) == best]
+        chosen = ties[self._cursor % len(ties)]
+        self._cursor += 1
+        return chosen
+
+
+class PrefixAware:
+    """Send a prompt where its longest prefix went before, unless that worker is overloaded.
+
+    A table maps each chained block hash to the few workers that were sent that prefix (LRU-bounded).
+    Candidates whose in-flight count exceeds ``min_inflight * balance_ratio + balance_slack`` are not
+    eligible, so a hot prefix spills onto further workers (which then also own it) instead of piling
+    onto one. Among eligible candidates: longest match, then fewest in flight.
+    """
+
+    name = "prefix-aware"
+
+    def __init__(
+        self,
+        max_entries: int = 200_000,
+        owners_per_block: int = 4,
+        balance_ratio: float = 1.5,
+        balance_slack: int = 4,
+    ) -> None:
+        self._table: OrderedDict[int, list[str]] = OrderedDict()
+        self._max_entries = max_entries
+        self._owners_per_block = owners_per_block
+        self._balance_ratio = balance_ratio
+        self._balance_slack = balance_slack
+        self._cursor = 0
+
+    def matched_blocks(self, key: str, hashes: Sequence[int]) -> int:
+        count = 0
+        for h in hashes:
+            owners = self._table.get(h)
+            if owners is None or key not in owners:
+                break
+            count += 1
+        return count
+
+    def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
+        least = min(c.inflight for c in candidates)
+        limit = least * self._balance_ratio + self._balance_slack
+        eligible = [c for c in candidates if c.inflight <= limit]
+        hashes = request.block_hashes
+        best_match = -1
+        best: list[W] = []
+        for candidate in eligible:
+            match = self.matched_blocks(candidate.key, hashes)
+            if match > best_match:
+                best_match, best = match, [candidate]
+            elif match == best_match:
+                best.append(candidate)
+        fewest = min(c.inflight for c in best)
+        ties = [c for c in best if c.inflight == fewest]
+        chosen = ties[self._cursor % len(ties)]
+        self._cursor += 1
+        self._remember(chosen.key, hashes)
+        return chosen
+
+    def _remember(self, key: str, hashes: Sequence[int]) -> None:
+        table = self._table
+        for h in hashes:
+            owners = table.get(h)
+            if owners is None:
+                table[h] = [key]
+            else:
+                table.move_to_end(h)
+                if key in owners:
+                    owners.remove(key)
+                owners.append(key)
+                if len(owners) > self._owners_per_block:
+                    del owners[0]
+        while len(table) > self._max_entries:
+            table.popitem(last=False)
+
+    def forget_worker(self, key: str) -> None:
+        """Drop a removed worker from the table so its prefixes stop attracting requests."""
+        for h in [h for h, owners in self._table.items() if key in owners]:
+            owners = self._table[h]
+            owners.remove(key)
+            if not owners:
+                del self._table[h]
+
+
+class PolicyName(enum.StrEnum):
+    ROUND_ROBIN = "round-robin"
+    LEAST_LOADED = "least-loaded"
+    PREFIX_AWARE = "prefix-aware"
+    KV_AWARE = "kv-aware"
+
+
+POLICY_FACTORIES: dict[PolicyName, Callable[[], RoutingPolicy]] = {
+    PolicyName.ROUND_ROBIN: RoundRobin,
+    PolicyName.LEAST_LOADED: LeastLoaded,
+    PolicyName.PREFIX_AWARE: PrefixAware,
+    PolicyName.KV_AWARE: KvAware,
+}
+
+
+def make_policy(name: str) -> RoutingPolicy:
+    """A fresh policy by its CLI name; ValueError names the valid ones."""
+    try:
+        policy_name = PolicyName(name)
+    except ValueError:
+        valid = ", ".join(p.value for p in PolicyName)
+        raise ValueError(f"unknown routing policy {name!r} (valid: {valid})") from None
+    return POLICY_FACTORIES[policy_name]()

@@ -1,0 +1,86 @@
+"""Deterministic stand-ins for a tokenizer, a chat template and greedy generation.
+
+Tokenization: a prompt is split into words and single punctuation marks (regex ``\\w+|[^\\w\\s]``);
+each piece is one token whose id is ``crc32(piece) % PROMPT_VOCAB_SIZE``. So "Hello, world!" is 4 tokens.
+
+Generation: output token ``i`` of a prompt is a pure function of the prompt's token ids and ``i``
+(a BLAKE2 hash), rendered as one pseudo word with a leading space (" kalo"). Any engine given the
+same prompt produces the same text, which is what lets a decode worker that received KV from a
+prefill worker answer exactly like an aggregated worker (greedy determinism).
+
+Chat prompt: ``<|role|>\\ncontent\\n`` for each message, then ``<|assistant|>\\n``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import re
+import zlib
+from array import array
+from collections.abc import Iterable, Mapping, Sequence
+
+PROMPT_VOCAB_SIZE = 32000
+_PIECE = re.compile(r"\w+|[^\w\s]")
+_SYLLABLES = ("ba", "ce", "di", "fo", "gu", "ha", "je", "ki", "lo", "mu", "na", "pe", "ri", "so", "tu", "vo")
+OUTPUT_WORDS: tuple[str, ...] = tuple(a + b for a in _SYLLABLES for b in _SYLLABLES)
+
+
+def tokenize(text: str) -> list[int]:
+    return [zlib.crc32(piece.encode()) % PROMPT_VOCAB_SIZE for piece in _PIECE.findall(text)]
+
+
+def prompt_digest(token_ids: Sequence[int]) -> bytes:
+    """Identity of a prompt for generation; equal token ids give equal digests."""
+    return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
+
+
+def output_token(digest: bytes, position: int) -> int:
+    """The greedy token at ``position`` (0-based) of the output for the prompt with ``digest``."""
+    mixed = hashlib.blake2b(digest + position.to_bytes(8, "little"), digest_size=4).digest()
+    return int.from_bytes(mixed, "little") % len(OUTPUT_WORDS)
+
+
+def output_text(token_id: int) -> str:
+    return " " + OUTPUT_WORDS[token_id % len(OUTPUT_WORDS)]
+
+
+def generate_text(token_ids: Sequence[int], num_tokens: int) -> str:
+    """The whole greedy output of ``num_tokens`` tokens; what a sim answers for this prompt."""
+    digest = prompt_digest(token_ids)
+    return "".join(output_text(output_token(digest, i)) for i in range(num_tokens))
+
+
+def _content_text(content: object) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        # OpenAI content parts: keep the text ones, in order.
+        return "".join(
+            str(part.get("text", "")) for part in content if isinstance(part, dict) and part.get("type") == "text"
+        )
+    raise ValueError("message content must be a string or a list of content parts")
+
+
+def chat_prompt(messages: Iterable[Mapping[str, object]]) -> str:
+    """Render chat messages with the simulator's fixed template (see module docstring)."""
+    rendered = []
+    for message in messages:
+        role = message.get("role")
+        if not isinstance(role, str):
+            raise ValueError("every message needs a string 'role'")
+        rendered.append(f"<|{role}|>\n{_content_text(message.get('content', ''))}\n")
+    return "".join(rendered) + "<|assistant|>\n"
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+    """Chained hashes of the full blocks of ``token_ids`` (as vLLM's prefix cache keys blocks).
+
+    Block ``i``'s hash covers every token before it too, so equal hashes mean equal prefixes.
+    Python's hash of a tuple of ints is not randomised between processes, so these are stable.
+    """
+    hashes: list[int] = []
+    parent = 0
+    for start in range(0, len(token_ids) - block_size + 1, block_size):
+        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        hashes.append(parent)
+    return hashes
