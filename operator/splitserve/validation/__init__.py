@@ -1,0 +1,5 @@
+"""Offline validation with the CRD's schema and CEL rules (what a cluster would reject)."""
+
+from splitserve.validation.checker import Problem, load_documents, validate_object, validate_text, with_defaults
+
+__all__ = ["Problem", "load_documents", "validate_object", "validate_text", "with_defaults"]

@@ -1,0 +1,31 @@
+"""`splitserve validate -f FILE`: check InferenceDeployments offline, print every problem."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from splitserve.validation.checker import validate_text
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--filename", action="append", required=True, help="YAML file ('-' for stdin); repeatable")
+
+
+def run(args: argparse.Namespace) -> int:
+    failed = False
+    for filename in args.filename:
+        try:
+            text = sys.stdin.read() if filename == "-" else open(filename, encoding="utf-8").read()
+        except OSError as error:
+            print(f"{filename}: cannot read: {error.strerror}", file=sys.stderr)
+            failed = True
+            continue
+        problems = validate_text(text)
+        for problem in problems:
+            print(f"{filename}: {problem}", file=sys.stderr)
+        if problems:
+            failed = True
+        else:
+            print(f"{filename}: valid")
+    return 1 if failed else 0
