@@ -1,0 +1,92 @@
+"""Engine simulator: a cheap stand-in for a vLLM worker that speaks the HTTP API splitserve uses.
+
+Stable API (other parts of splitserve and their tests build on it):
+
+Python
+    from splitserve.sim import SimConfig, SimWorker, SimFleet, Role
+
+    config = SimConfig.from_profile("cpu-tiny", role=Role.DECODE, time_scale=0.1)   # port 0 = any
+    async with SimWorker(config) as worker:
+        worker.url            # "http://127.0.0.1:PORT"; OpenAI clients use worker.url + "/v1"
+        worker.engine_id      # advertised as kv_transfer_params.remote_engine_id
+        worker.faults.status = 500      # same as POST /admin/faults {"status": 500}
+        worker.metrics_text() # the /metrics exposition
+        await worker.drain()  # 503 for new requests, finish in-flight ones, stop
+    async with SimFleet.replicas(config, 16) as fleet:   # or SimFleet([cfg1, cfg2, ...])
+        fleet.urls / fleet.workers
+
+    Config: ``SimConfig`` (frozen dataclass) with ``role``, ``host``, ``port``, ``model``,
+    ``latency: LatencyModel``, ``limits: EngineLimits``, ``time_scale``, ``kv_hold_timeout_s``,
+    ``side_channel_port``, ``advertise_host``, ``engine_id``, ``faults: FaultConfig``, ``seed``,
+    ``drain_timeout_s``. ``PROFILES`` (in ``config.py``) is the calibration table of profiles
+    ``cpu-tiny`` and ``gpu-h100-8b``; ``SimConfig.from_profile(name, **overrides)`` starts from one.
+    ``tokens.generate_text(tokenize(prompt), n)`` gives the exact text a sim answers for a prompt.
+
+CLI
+    splitserve sim-worker --role prefill|decode|aggregated --port N [--host H] [--model NAME]
+        [--profile cpu-tiny|gpu-h100-8b] [--time-scale X] [--count N]
+        [--prefill-overhead-s S] [--prefill-per-token-s S] [--decode-base-s S] [--decode-per-seq-s S]
+        [--kv-transfer-overhead-s S] [--kv-transfer-per-block-s S] [--block-size N] [--num-kv-blocks N]
+        [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N] [--no-prefix-caching]
+        [--kv-hold-timeout-s S] [--side-channel-port P] [--advertise-host H] [--engine-id ID]
+        [--fail-rate P] [--fail-after-tokens N] [--fail-status CODE] [--seed N] [--drain-timeout-s S]
+    Prints one JSON line per worker when it listens: {"event": "ready", "role", "url", "engine_id"}.
+    SIGTERM/SIGINT: drain (new requests get 503, /health 503), then exit 0 (1 if the drain timed out).
+
+HTTP endpoints
+    POST /v1/completions, /v1/chat/completions   OpenAI shapes, streaming (SSE + ``data: [DONE]``,
+        ``stream_options.include_usage``) or not; ``usage`` with ``prompt_tokens_details.cached_tokens``;
+        top-level ``kv_transfer_params`` (null unless this worker holds KV for a remote decode).
+    GET /v1/models, GET /health, GET /metrics (vLLM metric names, labels model_name and engine="0"),
+    POST /tokenize {"prompt"| "messages"} -> {"count", "max_model_len", "tokens"}.
+    POST /admin/faults {"status": 500|null, "fail_rate": p, "fail_after_tokens": n|null, "clear": true}
+        changes injected faults live; GET /admin/faults shows them.
+    POST /internal/kv/pull  the KV side channel (prefill side), see below.
+    Errors: {"error": {"message", "type", "param", "code"}} with 400 (bad JSON, missing/invalid
+    fields, too long), 404 (unknown model), 500 (KV transfer failed, injected), 503 (draining).
+
+P/D handshake (vLLM NixlConnector protocol). Prefill and decode workers have a KV connector;
+aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
+    1. Prefill request: ``kv_transfer_params = {"do_remote_decode": true, "do_remote_prefill": false,
+       remote_* = null}``, max_tokens=1. The prefill worker computes the prompt, keeps its KV blocks
+       (they count against its capacity) and answers ``kv_transfer_params = {"do_remote_prefill": true,
+       "do_remote_decode": false, "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
+       "tp_size": 1, "request_id"}``. Held blocks expire after ``kv_hold_timeout_s``
+       (``vllm:nixl_num_kv_expired_reqs_total`` rises).
+    2. Decode request: the same prompt with those params. The decode worker reserves blocks, pulls
+       the KV with ``POST http://remote_host:remote_port/internal/kv/pull`` {"engine_id", "block_ids",
+       "request_id", "prompt_digest", "transfer_seconds"} (the prefill side waits out the transfer time,
+       then frees the blocks), then decodes. Its text equals an aggregated worker's for that prompt.
+       Unknown engine, unknown/expired blocks, another prompt or an unreachable peer: HTTP 500 whose
+       message starts "KV transfer failed", and ``vllm:nixl_num_failed_transfers_total`` rises.
+       Malformed params: HTTP 400.
+
+Model of the engine: one asyncio step loop per worker does continuous batching (see scheduler.py):
+each step decodes one token for every running sequence and prefills prompt chunks within
+``max_num_batched_tokens``; a step lasts ``LatencyModel.step_seconds(...) * time_scale``. Requests
+wait (``vllm:num_requests_waiting``) while KV blocks or batch slots are short; a block-hash LRU prefix
+cache cuts prefill for shared prompt prefixes. Tokenization and output text: see tokens.py
+(words and punctuation marks are tokens; output tokens are pseudo words hashed from prompt + position).
+"""
+
+from splitserve.sim.config import PROFILES, EngineLimits, FaultConfig, LatencyModel, Profile, Role, SimConfig
+from splitserve.sim.server import FaultState, SimFleet, SimWorker, run_event_loop, serve
+from splitserve.sim.tokens import chat_prompt, generate_text, tokenize
+
+__all__ = [
+    "PROFILES",
+    "EngineLimits",
+    "FaultConfig",
+    "FaultState",
+    "LatencyModel",
+    "Profile",
+    "Role",
+    "SimConfig",
+    "SimFleet",
+    "SimWorker",
+    "chat_prompt",
+    "generate_text",
+    "run_event_loop",
+    "serve",
+    "tokenize",
+]

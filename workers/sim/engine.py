@@ -1,0 +1,336 @@
+"""The simulated engine core: one asyncio task runs the continuous-batching step loop.
+
+Each loop iteration asks the scheduler for a plan, sleeps for the plan's modelled duration (times
+``time_scale``), applies it, and hands every emitted token to its request's event queue. KV pulls
+for remote-prefilled requests run as separate tasks through an injected ``KVPuller`` (HTTP in the
+server), so this module has no network code. The prefill side's held KV lives here too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+
+from splitserve.sim.config import SimConfig
+from splitserve.sim.metrics import LiveState, SimMetrics
+from splitserve.sim.scheduler import Phase, Scheduler, Sequence, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+class KVTransferError(Exception):
+    """A KV pull failed: unknown engine, unknown or expired blocks, prompt mismatch, unreachable peer."""
+
+
+@dataclass(frozen=True)
+class RemotePrefill:
+    """The ``kv_transfer_params`` a decode request carries (as returned by a prefill engine)."""
+
+    engine_id: str
+    block_ids: list[int]
+    host: str
+    port: int
+    request_id: str | None = None
+
+    @classmethod
+    def parse(cls, params: dict[str, object]) -> RemotePrefill:
+        engine_id, blocks = params.get("remote_engine_id"), params.get("remote_block_ids")
+        host, port = params.get("remote_host"), params.get("remote_port")
+        if not isinstance(engine_id, str) or not engine_id:
+            raise ValueError("kv_transfer_params.remote_engine_id must be a non-empty string")
+        if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+            raise ValueError("kv_transfer_params.remote_block_ids must be a list of integers")
+        if not isinstance(host, str) or not host:
+            raise ValueError("kv_transfer_params.remote_host must be a non-empty string")
+        if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
+            raise ValueError("kv_transfer_params.remote_port must be a port number")
+        request_id = params.get("request_id")
+        return cls(engine_id, list(blocks), host, port, request_id if isinstance(request_id, str) else None)
+
+
+@dataclass(frozen=True)
+class PullRequest:
+    """What a decode engine sends to the prefill engine's side channel (``POST /internal/kv/pull``)."""
+
+    engine_id: str
+    block_ids: list[int]
+    request_id: str | None
+    prompt_digest: str
+    transfer_seconds: float
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "engine_id": self.engine_id,
+            "block_ids": self.block_ids,
+            "request_id": self.request_id,
+            "prompt_digest": self.prompt_digest,
+            "transfer_seconds": self.transfer_seconds,
+        }
+
+
+KVPuller = Callable[[RemotePrefill, PullRequest], Awaitable[None]]
+
+
+@dataclass(frozen=True)
+class TokenEvent:
+    token_id: int
+
+
+@dataclass(frozen=True)
+class DoneEvent:
+    kv_transfer_params: dict[str, object] | None
+
+
+@dataclass(frozen=True)
+class ErrorEvent:
+    status: int
+    message: str
+
+
+Event = TokenEvent | DoneEvent | ErrorEvent
+
+
+@dataclass(eq=False)
+class EngineRequest:
+    """A request inside the engine, with its timestamps and the queue its tokens go to."""
+
+    seq: Sequence
+    remote_prefill: RemotePrefill | None = None
+    events: asyncio.Queue[Event] = field(default_factory=asyncio.Queue)
+    arrival: float = field(default_factory=time.monotonic)
+    scheduled: float | None = None
+    first_token: float | None = None
+    last_token: float | None = None
+    prompt_counted: bool = False
+
+
+@dataclass
+class _HeldKV:
+    request_id: str
+    block_ids: list[int]
+    prompt_digest: str
+    expiry: asyncio.TimerHandle | None = None
+
+
+class SimEngine:
+    def __init__(self, config: SimConfig, engine_id: str, puller: KVPuller) -> None:
+        self.config = config
+        self.engine_id = engine_id
+        self._puller = puller
+        self.scheduler = Scheduler(config.limits)
+        self.metrics = SimMetrics(
+            config.model,
+            LiveState(
+                running=lambda: float(len(self.scheduler.running)),
+                waiting_for_capacity=lambda: float(self.scheduler.num_waiting_for_capacity),
+                deferred=lambda: float(self.scheduler.num_deferred),
+                kv_usage=lambda: self.scheduler.pool.usage,
+            ),
+        )
+        self._requests: dict[Sequence, EngineRequest] = {}
+        self._held: dict[tuple[int, ...], _HeldKV] = {}
+        self._pull_tasks: set[asyncio.Task[None]] = set()
+        self._wake = asyncio.Event()
+        self._loop_task: asyncio.Task[None] | None = None
+        self.steps = 0
+        self.side_channel_port = 0
+        """Advertised as ``remote_port``; the server sets it once its listening port is known."""
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-engine-{self.engine_id}")
+
+    async def stop(self) -> None:
+        tasks = [t for t in (self._loop_task, *self._pull_tasks) if t is not None]
+        for task in tasks:
+            task.cancel()
+        for task in tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        for held in self._held.values():
+            if held.expiry is not None:
+                held.expiry.cancel()
+        self._held.clear()
+
+    # --- requests ----------------------------------------------------------------------------
+
+    def submit(self, request: EngineRequest) -> None:
+        self._requests[request.seq] = request
+        self.scheduler.add(request.seq)
+        self._wake.set()
+
+    def abort(self, request: EngineRequest) -> None:
+        """Forget ``request`` (its client went away); frees its KV unless it is held for a puller."""
+        if self._requests.pop(request.seq, None) is not None:
+            self.scheduler.abort(request.seq)
+            self._wake.set()
+
+    @property
+    def num_held(self) -> int:
+        return len(self._held)
+
+    # --- prefill side: KV held for remote decode ---------------------------------------------
+
+    async def serve_pull(self, pull: PullRequest) -> int:
+        """Hand held KV to a decode engine: wait out the transfer, then free it. Returns prompt tokens."""
+        if pull.engine_id != self.engine_id:
+            raise KVTransferError(f"unknown engine id {pull.engine_id!r} (this engine is {self.engine_id!r})")
+        held = self._held.get(tuple(pull.block_ids))
+        if held is None:
+            raise KVTransferError(f"unknown or expired block ids {pull.block_ids[:8]} on engine {self.engine_id}")
+        if pull.request_id is not None and pull.request_id != held.request_id:
+            raise KVTransferError(f"block ids belong to request {held.request_id}, not {pull.request_id}")
+        if pull.prompt_digest != held.prompt_digest:
+            raise KVTransferError("KV blocks were computed for a different prompt")
+        del self._held[tuple(pull.block_ids)]
+        if held.expiry is not None:
+            held.expiry.cancel()
+        try:
+            await asyncio.sleep(max(0.0, pull.transfer_seconds))
+        finally:
+            self.scheduler.pool.free(held.block_ids)
+            self._wake.set()
+        return len(held.block_ids)
+
+    def _hold(self, request: EngineRequest) -> dict[str, object]:
+        seq = request.seq
+        prompt_blocks = seq.block_ids[: self.scheduler.pool.blocks_for(seq.num_prompt_tokens)]
+        key = tuple(prompt_blocks)
+        extra = seq.block_ids[len(prompt_blocks) :]
+        if extra:
+            self.scheduler.pool.free(extra)
+        held = _HeldKV(seq.request_id, prompt_blocks, seq.digest().hex())
+        held.expiry = asyncio.get_running_loop().call_later(self.config.kv_hold_timeout_s, self._expire, key)
+        self._held[key] = held
+        seq.block_ids = []
+        return {
+            "do_remote_prefill": True,
+            "do_remote_decode": False,
+            "remote_engine_id": self.engine_id,
+            "remote_block_ids": prompt_blocks,
+            "remote_host": self.config.advertised_host,
+            "remote_port": self.side_channel_port,
+            "tp_size": 1,
+            "request_id": seq.request_id,
+        }
+
+    def _expire(self, key: tuple[int, ...]) -> None:
+        held = self._held.pop(key, None)
+        if held is not None:
+            log.info("KV for request %s expired before a decode engine pulled it", held.request_id)
+            self.scheduler.pool.free(held.block_ids)
+            self.metrics.nixl_expired_requests.inc()
+            self._wake.set()
+
+    # --- decode side: pulling remote KV -------------------------------------------------------
+
+    def _start_pull(self, request: EngineRequest) -> None:
+        task = asyncio.get_running_loop().create_task(self._pull(request))
+        self._pull_tasks.add(task)
+        task.add_done_callback(self._pull_tasks.discard)
+
+    async def _pull(self, request: EngineRequest) -> None:
+        remote = request.remote_prefill
+        assert remote is not None
+        pull = PullRequest(
+            engine_id=remote.engine_id,
+            block_ids=remote.block_ids,
+            request_id=remote.request_id,
+            prompt_digest=request.seq.digest().hex(),
+            transfer_seconds=self.config.latency.transfer_seconds(len(remote.block_ids)) * self.config.time_scale,
+        )
+        try:
+            await self._puller(remote, pull)
+        except KVTransferError as error:
+            self.metrics.nixl_failed_transfers.inc()
+            self.scheduler.abort(request.seq)
+            self._requests.pop(request.seq, None)
+            request.events.put_nowait(
+                ErrorEvent(500, f"KV transfer failed for request {request.seq.request_id}: {error}")
+            )
+        else:
+            self.scheduler.pull_done(request.seq)
+        self._wake.set()
+
+    # --- the step loop --------------------------------------------------------------------------
+
+    async def _run(self) -> None:
+        while True:
+            plan = self.scheduler.schedule()
+            self._after_schedule(plan)
+            if not plan.has_work:
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            seconds = self.config.latency.step_seconds(len(plan.decode), plan.num_prefill_tokens)
+            await asyncio.sleep(seconds * self.config.time_scale)
+            self.steps += 1
+            self._after_step(plan)
+
+    def _after_schedule(self, plan: StepPlan) -> None:
+        now = time.monotonic()
+        for seq in plan.admitted:
+            request = self._requests.get(seq)
+            if request is not None and request.scheduled is None:
+                request.scheduled = now
+                self.metrics.request_queue_time.observe(now - request.arrival)
+        for seq in plan.new_pulls:
+            request = self._requests.get(seq)
+            if request is not None:
+                self._start_pull(request)
+        if plan.preempted:
+            self.metrics.num_preemptions.inc(len(plan.preempted))
+
+    def _after_step(self, plan: StepPlan) -> None:
+        result = self.scheduler.complete(plan)
+        now = time.monotonic()
+        for seq in result.prefill_done:
+            request = self._requests.get(seq)
+            if request is not None and not request.prompt_counted:
+                request.prompt_counted = True
+                self._count_prompt(seq)
+        for seq, token in result.tokens:
+            request = self._requests.get(seq)
+            if request is None:
+                continue
+            if request.first_token is None:
+                request.first_token = now
+                self.metrics.time_to_first_token.observe(now - request.arrival)
+            elif request.last_token is not None:
+                self.metrics.inter_token_latency.observe(now - request.last_token)
+            request.last_token = now
+            self.metrics.generation_tokens.inc()
+            request.events.put_nowait(TokenEvent(token))
+        for seq in result.finished:
+            request = self._requests.pop(seq, None)
+            if request is None:
+                continue
+            self._observe_finished(request, now)
+            params = self._hold(request) if seq.remote_decode else None
+            request.events.put_nowait(DoneEvent(params))
+
+    def _count_prompt(self, seq: Sequence) -> None:
+        prompt = seq.num_prompt_tokens
+        self.metrics.prompt_tokens.inc(prompt)
+        if seq.kv_pulled:
+            self.metrics.prompt_tokens_by_source["external_kv_transfer"].inc(prompt)
+            return
+        self.metrics.prefix_cache_queries.inc(prompt)
+        self.metrics.prefix_cache_hits.inc(seq.num_cached_tokens)
+        self.metrics.prompt_tokens_by_source["local_cache_hit"].inc(seq.num_cached_tokens)
+        self.metrics.prompt_tokens_by_source["local_compute"].inc(prompt - seq.num_cached_tokens)
+
+    def _observe_finished(self, request: EngineRequest, now: float) -> None:
+        self.metrics.request_success_length.inc()
+        self.metrics.e2e_request_latency.observe(now - request.arrival)
+        first_token = request.first_token or now
+        self.metrics.request_prefill_time.observe(first_token - (request.scheduled or request.arrival))
+        self.metrics.request_decode_time.observe(now - first_token)
+
+    def phase_of(self, request: EngineRequest) -> Phase:
+        return request.seq.phase

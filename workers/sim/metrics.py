@@ -1,0 +1,142 @@
+"""Prometheus metrics of one simulated engine, named and labelled as vLLM (v1 engine) names them.
+
+Each worker owns its own ``CollectorRegistry`` so many workers can live in one process.
+Labels: ``model_name`` and ``engine`` (always "0": one engine core per worker), as vLLM exports them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+# Bucket boundaries copied from vLLM's v1 Prometheus logger, so dashboards and quantile queries
+# behave the same against the simulator.
+TTFT_BUCKETS = (
+    0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
+    40.0, 80.0, 160.0, 640.0, 2560.0,
+)  # fmt: skip
+ITL_BUCKETS = (
+    0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0,
+)  # fmt: skip
+REQUEST_LATENCY_BUCKETS = (
+    0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0,
+    960.0, 1920.0, 7680.0,
+)  # fmt: skip
+
+PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
+WAITING_REASONS = ("capacity", "deferred")
+
+
+@dataclass(frozen=True)
+class LiveState:
+    """Callables read at scrape time for the gauges (so they never go stale)."""
+
+    running: Callable[[], float]
+    waiting_for_capacity: Callable[[], float]
+    deferred: Callable[[], float]
+    kv_usage: Callable[[], float]
+
+
+class SimMetrics:
+    def __init__(self, model_name: str, live: LiveState) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        labels = {"model_name": model_name, "engine": "0"}
+        names = list(labels)
+        registry = self.registry
+
+        def gauge(name: str, doc: str, read: Callable[[], float]) -> None:
+            Gauge(name, doc, names, registry=registry).labels(**labels).set_function(read)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(name, doc, names, registry=registry).labels(**labels)
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(name, doc, names, buckets=buckets, registry=registry).labels(**labels)
+
+        gauge("vllm:num_requests_running", "Number of requests in model execution batches.", live.running)
+        gauge(
+            "vllm:num_requests_waiting",
+            "Number of requests waiting to be processed.",
+            lambda: live.waiting_for_capacity() + live.deferred(),
+        )
+        gauge("vllm:kv_cache_usage_perc", "KV-cache usage. 1 means 100 percent usage.", live.kv_usage)
+        by_reason = Gauge(
+            "vllm:num_requests_waiting_by_reason",
+            "Number of requests waiting, by reason.",
+            [*names, "reason"],
+            registry=registry,
+        )
+        by_reason.labels(**labels, reason="capacity").set_function(live.waiting_for_capacity)
+        by_reason.labels(**labels, reason="deferred").set_function(live.deferred)
+
+        self.prefix_cache_queries = counter(
+            "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
+        )
+        self.prefix_cache_hits = counter(
+            "vllm:prefix_cache_hits", "Prefix cache hits, in terms of number of cached tokens."
+        )
+        by_source = Counter(
+            "vllm:prompt_tokens_by_source",
+            "Number of prompt tokens by where their KV came from.",
+            [*names, "source"],
+            registry=registry,
+        )
+        self.prompt_tokens_by_source = {source: by_source.labels(**labels, source=source) for source in PROMPT_SOURCES}
+        self.num_preemptions = counter("vllm:num_preemptions", "Cumulative number of preemptions.")
+        self.prompt_tokens = counter("vllm:prompt_tokens", "Number of prefill tokens processed.")
+        self.generation_tokens = counter("vllm:generation_tokens", "Number of generation tokens processed.")
+        success = Counter(
+            "vllm:request_success",
+            "Count of successfully processed requests.",
+            [*names, "finished_reason"],
+            registry=registry,
+        )
+        self.request_success_length = success.labels(**labels, finished_reason="length")
+        self.nixl_failed_transfers = counter(
+            "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV cache transfers."
+        )
+        self.nixl_expired_requests = counter(
+            "vllm:nixl_num_kv_expired_reqs", "Number of requests whose held KV expired before being pulled."
+        )
+        self.time_to_first_token = histogram(
+            "vllm:time_to_first_token_seconds", "Histogram of time to first token in seconds.", TTFT_BUCKETS
+        )
+        self.inter_token_latency = histogram(
+            "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
+        )
+        self.e2e_request_latency = histogram(
+            "vllm:e2e_request_latency_seconds",
+            "Histogram of e2e request latency in seconds.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_queue_time = histogram(
+            "vllm:request_queue_time_seconds",
+            "Histogram of time spent in WAITING phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_prefill_time = histogram(
+            "vllm:request_prefill_time_seconds",
+            "Histogram of time spent in PREFILL phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+        self.request_decode_time = histogram(
+            "vllm:request_decode_time_seconds",
+            "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+    def exposition(self) -> bytes:
+        # vLLM turns off the ``*_created`` series; prometheus_client can only do that process-wide,
+        # so they are dropped from this registry's text instead.
+        lines = generate_latest(self.registry).split(b"\n")
+        return b"\n".join(line for line in lines if not _is_created_line(line))
+
+
+def _is_created_line(line: bytes) -> bool:
+    if line.startswith((b"# HELP ", b"# TYPE ")):
+        name = line.split(b" ", 3)[2]
+    else:
+        name = line.split(b"{", 1)[0].split(b" ", 1)[0]
+    return name.endswith(b"_created")
