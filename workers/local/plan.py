@@ -1,0 +1,162 @@
+"""What `splitserve up` starts: one command line per process, decided without touching the system.
+
+Pure functions of the deployment, the engine choice and the ports handed in, so the process
+layout (names, roles, ports, arguments, environment) is testable without starting anything.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+from splitserve.api.spec import Connector
+from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment
+from splitserve.local.ports import LOOPBACK
+
+
+class Engine(StrEnum):
+    VLLM = "vllm"
+    SIM = "sim"
+
+
+@dataclass(frozen=True)
+class ProcessSpec:
+    """One process of the local stack and how to tell it is ready."""
+
+    name: str  # unique, also the log file's name: prefill-0, decode-1, router
+    argv: tuple[str, ...]
+    port: int
+    ready_path: str
+    env: Mapping[str, str] = field(default_factory=dict)
+
+    @property
+    def base_url(self) -> str:
+        return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def ready_url(self) -> str:
+        return self.base_url + self.ready_path
+
+
+@dataclass(frozen=True)
+class LocalPlan:
+    workers: tuple[ProcessSpec, ...]
+    router: ProcessSpec
+    model_name: str
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.router.base_url}/v1"
+
+    @property
+    def processes(self) -> tuple[ProcessSpec, ...]:
+        return (*self.workers, self.router)
+
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """Everything outside the deployment that shapes the command lines."""
+
+    engine: Engine
+    router_port: int
+    allocate_port: Callable[[], int]
+    # How to run the `splitserve` CLI: [python, -m, splitserve] so no PATH lookup is needed.
+    splitserve: tuple[str, ...]
+    model_path: str | None = None  # engine vllm: what workers load
+    spec_path: str | None = None  # engine vllm: the resolved spec file workers read
+    sim_profile: str | None = None
+
+
+def worker_roles(deployment: LocalDeployment) -> list[tuple[str, str]]:
+    """(process name, worker role) for every worker; aggregated mode runs the decode pool only."""
+    if not deployment.disaggregated:
+        return [(f"worker-{index}", "aggregated") for index in range(deployment.decode_replicas)]
+    return [(f"prefill-{index}", "prefill") for index in range(deployment.prefill_replicas)] + [
+        (f"decode-{index}", "decode") for index in range(deployment.decode_replicas)
+    ]
+
+
+def _sim_worker(name: str, role: str, port: int, deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
+    argv = [*inputs.splitserve, "sim-worker", "--role", role, "--host", LOOPBACK, "--port", str(port)]
+    argv += ["--model", deployment.spec.model.name]
+    if inputs.sim_profile:
+        argv += ["--profile", inputs.sim_profile]
+    return ProcessSpec(name=name, argv=tuple(argv), port=port, ready_path="/health")
+
+
+def _vllm_worker(name: str, role: str, port: int, inputs: PlanInputs) -> ProcessSpec:
+    if inputs.model_path is None or inputs.spec_path is None:
+        raise ValueError("engine vllm needs model_path and spec_path")
+    argv = [*inputs.splitserve, "worker", "--role", role, "-f", inputs.spec_path, "--port", str(port)]
+    argv += ["--model", inputs.model_path, "--cpu"]
+    env = {
+        # Each worker its own NIXL handshake port: they all share the loopback interface.
+        "VLLM_NIXL_SIDE_CHANNEL_HOST": LOOPBACK,
+        "VLLM_NIXL_SIDE_CHANNEL_PORT": str(inputs.allocate_port()),
+        # Nothing may come from a model hub: the tiny model is built on this machine.
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+    }
+    return ProcessSpec(name=name, argv=tuple(argv), port=port, ready_path="/health", env=env)
+
+
+def _router(deployment: LocalDeployment, workers: list[ProcessSpec], inputs: PlanInputs) -> ProcessSpec:
+    router = deployment.spec.router
+    prefill = [worker.base_url for worker in workers if worker.name.startswith("prefill-")]
+    decode = [worker.base_url for worker in workers if not worker.name.startswith("prefill-")]
+    argv = [*inputs.splitserve, "router", "--host", LOOPBACK, "--port", str(inputs.router_port)]
+    argv += ["--model", deployment.spec.model.name]
+    if prefill:
+        argv += ["--prefill", ",".join(prefill)]
+    argv += ["--decode", ",".join(decode)]
+    argv += ["--prefill-policy", router.routing_policy.prefill.value]
+    argv += ["--decode-policy", router.routing_policy.decode.value]
+    argv += ["--queue-limit", str(router.admission_queue_limit)]
+    argv += ["--disagg-threshold-tokens", str(router.disaggregation_threshold_tokens)]
+    return ProcessSpec(name="router", argv=tuple(argv), port=inputs.router_port, ready_path="/ready")
+
+
+def plan_processes(deployment: LocalDeployment, inputs: PlanInputs) -> LocalPlan:
+    workers = []
+    for name, role in worker_roles(deployment):
+        port = inputs.allocate_port()
+        if inputs.engine is Engine.SIM:
+            workers.append(_sim_worker(name, role, port, deployment, inputs))
+        else:
+            workers.append(_vllm_worker(name, role, port, inputs))
+    router = _router(deployment, workers, inputs)
+    return LocalPlan(workers=tuple(workers), router=router, model_name=deployment.spec.model.name)
+
+
+def model_location(deployment: LocalDeployment, tiny_model_dir: str) -> str:
+    """What real workers load: the tiny model for the placeholder, else what the file names."""
+    source = deployment.spec.model.source
+    if source.uri is not None:
+        return tiny_model_dir if source.uri == TINY_MODEL_URI else source.uri
+    if source.hugging_face is not None:
+        return source.hugging_face.repo
+    raise ValueError("model source has neither uri nor huggingFace")  # pvc is refused when loading
+
+
+def uses_tiny_model(deployment: LocalDeployment) -> bool:
+    return deployment.spec.model.source.uri == TINY_MODEL_URI
+
+
+def resolved_document(deployment: LocalDeployment, model_path: str) -> tuple[dict[str, Any], list[str]]:
+    """The object real workers read, adapted to a CPU-only machine, and a note for each change."""
+    document = copy.deepcopy(deployment.document)
+    spec = document["spec"]
+    notes = []
+    if uses_tiny_model(deployment):
+        spec["model"]["source"] = {"uri": model_path}
+        notes.append(f"model.source.uri {TINY_MODEL_URI} -> {model_path}")
+    kv_transfer = spec.setdefault("kvTransfer", {})
+    connector = deployment.spec.kv_transfer.connector
+    if deployment.disaggregated and connector is Connector.NIXL and deployment.spec.kv_transfer.buffer_device != "cpu":
+        # Locally there is no GPU: NIXL stages KV in host memory instead.
+        kv_transfer["bufferDevice"] = "cpu"
+        notes.append("kvTransfer.bufferDevice cuda -> cpu (no GPU locally)")
+    return document, notes

@@ -1,0 +1,65 @@
+"""What is still running: process-group and process-tree checks through /proc (Linux).
+
+Zombies count as gone: a process that exited but was not reaped yet holds no port and no memory,
+and orphans are reaped by init, not by us.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+PROC = Path("/proc")
+
+
+def _stat_fields(pid: int) -> list[str] | None:
+    """Fields of /proc/PID/stat after the command name (which may contain spaces)."""
+    try:
+        raw = (PROC / str(pid) / "stat").read_text()
+    except OSError:
+        return None
+    return raw[raw.rfind(")") + 2 :].split()
+
+
+def is_alive(pid: int) -> bool:
+    fields = _stat_fields(pid)
+    if fields is None:
+        return False
+    return fields[0] not in ("Z", "X")
+
+
+def _all_pids() -> list[int]:
+    return [int(entry.name) for entry in PROC.iterdir() if entry.name.isdigit()]
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes of a process group (one started with its own session has pgid == its pid)."""
+    if not PROC.is_dir():  # not Linux: the kernel's answer is all there is
+        try:
+            os.killpg(pgid, 0)
+        except (ProcessLookupError, PermissionError):
+            return []
+        return [pgid]
+    members = []
+    for pid in _all_pids():
+        fields = _stat_fields(pid)
+        if fields is not None and fields[2] == str(pgid) and fields[0] not in ("Z", "X"):
+            members.append(pid)
+    return members
+
+
+def descendants(root: int) -> set[int]:
+    """Live processes below root in the parent tree (not root itself)."""
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        fields = _stat_fields(pid)
+        if fields is not None and fields[0] not in ("Z", "X"):
+            children.setdefault(int(fields[1]), []).append(pid)
+    found: set[int] = set()
+    pending = [root]
+    while pending:
+        for child in children.get(pending.pop(), []):
+            if child not in found:
+                found.add(child)
+                pending.append(child)
+    return found

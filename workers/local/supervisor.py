@@ -1,0 +1,256 @@
+"""Starting, watching and stopping the processes of a local run.
+
+Every child runs in its own session (so its own process group): vLLM's engine-core subprocesses
+land in the same group as their API server, and stopping a group stops them all. Ctrl-C in a
+terminal reaches only `up`, which then stops the children in order (router first, so no new
+request reaches a worker that is going away).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import TextIO
+
+import httpx
+from splitserve.local.plan import ProcessSpec
+from splitserve.local.procs import group_members
+
+PR_SET_PDEATHSIG = 1
+POLL_SECONDS = 0.2
+
+
+class Progress:
+    """Readable progress lines: elapsed seconds since `up` started, then what happened."""
+
+    def __init__(self, stream: TextIO | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+        self._stream = stream
+        self._clock = clock
+        self._start = clock()
+
+    def elapsed(self) -> float:
+        return self._clock() - self._start
+
+    def say(self, message: str) -> None:
+        stream = self._stream or sys.stdout
+        print(f"[{self.elapsed():6.1f}s] {message}", file=stream, flush=True)
+
+
+@dataclass
+class RunningProcess:
+    spec: ProcessSpec
+    popen: subprocess.Popen[bytes]
+    log_path: Path
+    started_at: float
+
+    @property
+    def pid(self) -> int:
+        return self.popen.pid
+
+    @property
+    def name(self) -> str:
+        return self.spec.name
+
+
+class StartupError(Exception):
+    """The stack could not come up; the message says which process and why."""
+
+    def __init__(self, message: str, log_tail: str = "") -> None:
+        super().__init__(message)
+        self.log_tail = log_tail
+
+
+class StopRequested(Exception):
+    """Ctrl-C or SIGTERM arrived while the stack was starting."""
+
+
+def log_tail(path: Path, lines: int = 30) -> str:
+    try:
+        with path.open("rb") as log:
+            log.seek(0, os.SEEK_END)
+            size = log.tell()
+            log.seek(max(0, size - 64 * 1024))
+            text = log.read().decode("utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def _die_with_parent() -> None:
+    """In the child before exec: get SIGTERM if `up` itself dies (even by SIGKILL), so nothing leaks."""
+    with contextlib.suppress(Exception):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
+class Supervisor:
+    """Owns the children of one local run, from start to the last one stopped."""
+
+    def __init__(self, run_dir: Path, progress: Progress, *, stop_grace_seconds: float = 10.0) -> None:
+        self.run_dir = run_dir
+        self.progress = progress
+        self.stop_grace_seconds = stop_grace_seconds
+        self.processes: list[RunningProcess] = []
+        self.stop_reason: str | None = None
+        self._hurry = False
+
+    # ------------------------------------------------------------------ signals
+
+    def _on_signal(self, signum: int, _frame: FrameType | None) -> None:
+        if self.stop_reason is not None:
+            self._hurry = True  # a second Ctrl-C: do not wait for graceful exits
+            return
+        self.stop_reason = signal.Signals(signum).name
+
+    @contextlib.contextmanager
+    def signals_handled(self) -> Iterator[None]:
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    # ------------------------------------------------------------------ start
+
+    def start(self, spec: ProcessSpec) -> RunningProcess:
+        log_path = self.run_dir / f"{spec.name}.log"
+        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
+        with log_path.open("ab") as log:
+            popen = subprocess.Popen(
+                spec.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=env,
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        process = RunningProcess(spec=spec, popen=popen, log_path=log_path, started_at=self.progress.elapsed())
+        self.processes.append(process)
+        self._write_state()
+        where = f" on port {spec.port}" if spec.port else ""
+        self.progress.say(f"starting {spec.name}{where} (pid {popen.pid}, log {log_path.name})")
+        return process
+
+    def _write_state(self) -> None:
+        """run.json: what runs where, for people and scripts looking at a live run."""
+        state = [
+            {
+                "name": process.name,
+                "pid": process.pid,
+                "port": process.spec.port,
+                "url": process.spec.base_url,
+                "log": str(process.log_path),
+                "argv": list(process.spec.argv),
+            }
+            for process in self.processes
+        ]
+        (self.run_dir / "run.json").write_text(json.dumps({"processes": state}, indent=2) + "\n")
+
+    def _check_exited(self, process: RunningProcess, when: str) -> None:
+        code = process.popen.poll()
+        if code is not None:
+            raise StartupError(
+                f"{process.name} exited with code {code} {when} (log: {process.log_path})",
+                log_tail(process.log_path),
+            )
+
+    def wait_ready(self, processes: Sequence[RunningProcess], timeout_seconds: float) -> None:
+        """Poll each process's ready URL until all answer 200; raise if one dies or time runs out."""
+        pending = list(processes)
+        deadline = time.monotonic() + timeout_seconds
+        with httpx.Client(timeout=httpx.Timeout(2.0, connect=0.5)) as client:
+            while pending:
+                if self.stop_reason is not None:
+                    raise StopRequested(self.stop_reason)
+                for process in list(pending):
+                    self._check_exited(process, "while starting")
+                    if self._answers(client, process.spec.ready_url):
+                        pending.remove(process)
+                        took = self.progress.elapsed() - process.started_at
+                        self.progress.say(f"{process.name} ready at {process.spec.base_url} ({took:.1f}s)")
+                if pending and time.monotonic() > deadline:
+                    names = ", ".join(process.name for process in pending)
+                    raise StartupError(
+                        f"{names} not ready after {timeout_seconds:.0f}s (see --startup-timeout)",
+                        log_tail(pending[0].log_path),
+                    )
+                if pending:
+                    time.sleep(POLL_SECONDS)
+
+    @staticmethod
+    def _answers(client: httpx.Client, url: str) -> bool:
+        try:
+            return client.get(url).status_code == 200
+        except httpx.HTTPError:
+            return False
+
+    # ------------------------------------------------------------------ run
+
+    def watch(self, deadline: float | None) -> RunningProcess | None:
+        """Block until a stop is requested, the deadline passes, or a child exits (returned)."""
+        while self.stop_reason is None:
+            for process in self.processes:
+                if process.popen.poll() is not None:
+                    return process
+            if deadline is not None and time.monotonic() >= deadline:
+                self.stop_reason = "time limit"
+                return None
+            time.sleep(POLL_SECONDS)
+        return None
+
+    # ------------------------------------------------------------------ stop
+
+    def _signal_group(self, process: RunningProcess, sig: signal.Signals) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(process.pid, sig)
+
+    def _live(self, processes: Sequence[RunningProcess]) -> list[RunningProcess]:
+        for process in processes:
+            process.popen.poll()  # reap the leader so it does not linger as a zombie
+        return [process for process in processes if group_members(process.pid)]
+
+    def _wait_gone(self, processes: Sequence[RunningProcess], seconds: float) -> list[RunningProcess]:
+        deadline = time.monotonic() + seconds
+        live = self._live(processes)
+        while live and time.monotonic() < deadline and not self._hurry:
+            time.sleep(0.05)
+            live = self._live(live)
+        return live
+
+    def stop_all(self) -> bool:
+        """Stop every child and its whole group; True when all left on SIGTERM within the grace time."""
+        # Router first: it stops taking requests before the workers behind it go away.
+        ordered = sorted(self.processes, key=lambda process: process.name != "router")
+        live = self._live(ordered)
+        if not live:
+            return True
+        started = time.monotonic()
+        self.progress.say("stopping " + ", ".join(process.name for process in live))
+        for process in live:
+            self._signal_group(process, signal.SIGTERM)
+        stragglers = self._wait_gone(live, self.stop_grace_seconds)
+        for process in stragglers:
+            self.progress.say(f"{process.name} still running after {self.stop_grace_seconds:.0f}s: SIGKILL")
+            self._signal_group(process, signal.SIGKILL)
+        self._hurry = False
+        leftovers = self._wait_gone(stragglers, 5.0)
+        for process in self.processes:
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                process.popen.wait(timeout=1.0)
+        if leftovers:
+            pids = sorted(pid for process in leftovers for pid in group_members(process.pid))
+            self.progress.say(f"could not stop processes {pids}")
+            return False
+        self.progress.say(f"stopped {len(live)} processes in {time.monotonic() - started:.1f}s")
+        return not stragglers
