@@ -88,9 +88,7 @@ def kustomize_rbac_manifest() -> str:
             "kind": "ClusterRole",
             "name": KUSTOMIZE_OPERATOR_NAME,
         },
-        "subjects": [
-            {"kind": "ServiceAccount", "name": KUSTOMIZE_OPERATOR_NAME, "namespace": KUSTOMIZE_NAMESPACE}
-        ],
+        "subjects": [{"kind": "ServiceAccount", "name": KUSTOMIZE_OPERATOR_NAME, "namespace": KUSTOMIZE_NAMESPACE}],
     }
     header = GENERATED_HEADER.format(source="charts/splitserve/files/rbac-rules.yaml")
     return header + yaml.safe_dump_all([role, binding], sort_keys=False)
