@@ -1,0 +1,182 @@
+"""Prefill/decode handshake between simulators, following vLLM's NixlConnector protocol."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import socket
+from typing import Any
+
+import aiohttp
+from sim_helpers import PREFILL_PARAMS, fast_config, post, sample
+from splitserve.sim import Role, SimWorker, generate_text, tokenize
+
+PROMPT = "Explain disaggregated prefill and decode in one paragraph, with an example."
+
+
+async def prefill(http: aiohttp.ClientSession, worker: SimWorker, prompt: str = PROMPT) -> dict[str, Any]:
+    body = {"prompt": prompt, "max_tokens": 1, "stream": False, "kv_transfer_params": PREFILL_PARAMS}
+    status, reply = await post(http, worker.url + "/v1/completions", body)
+    assert status == 200, reply
+    params: dict[str, Any] = reply["kv_transfer_params"]
+    return params
+
+
+async def decode(
+    http: aiohttp.ClientSession, worker: SimWorker, params: dict[str, Any], prompt: str = PROMPT, max_tokens: int = 12
+) -> tuple[int, Any]:
+    body = {"prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
+    return await post(http, worker.url + "/v1/completions", body)
+
+
+def external_tokens(worker: SimWorker) -> float:
+    return sample(worker.metrics_text(), "vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+
+
+def failed_transfers(worker: SimWorker) -> float:
+    return sample(worker.metrics_text(), "vllm:nixl_num_failed_transfers_total")
+
+
+def kv_usage(worker: SimWorker) -> float:
+    return sample(worker.metrics_text(), "vllm:kv_cache_usage_perc")
+
+
+async def test_handshake_end_to_end(http: aiohttp.ClientSession) -> None:
+    async with (
+        SimWorker(fast_config(Role.PREFILL)) as p,
+        SimWorker(fast_config(Role.DECODE)) as d,
+        SimWorker(fast_config(Role.AGGREGATED)) as agg,
+    ):
+        params = await prefill(http, p)
+        assert params["do_remote_prefill"] is True and params["do_remote_decode"] is False
+        assert params["remote_engine_id"] == p.engine_id
+        assert params["remote_host"] == "127.0.0.1" and params["remote_port"] == p.port
+        assert params["tp_size"] == 1 and isinstance(params["request_id"], str)
+        assert len(params["remote_block_ids"]) == 1  # 12 tokens fit one 128-token CPU block
+        assert kv_usage(p) > 0  # the blocks are held for the decode side
+
+        status, decoded = await decode(http, d, params)
+        assert status == 200, decoded
+        _, aggregated = await post(http, agg.url + "/v1/completions", {"prompt": PROMPT, "max_tokens": 12})
+        assert decoded["choices"][0]["text"] == aggregated["choices"][0]["text"]
+        assert decoded["choices"][0]["text"] == generate_text(tokenize(PROMPT), 12)
+        assert decoded["kv_transfer_params"] is None
+
+        prompt_tokens = len(tokenize(PROMPT))
+        assert external_tokens(d) == prompt_tokens
+        assert sample(d.metrics_text(), "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
+        assert sample(agg.metrics_text(), "vllm:prompt_tokens_by_source_total", source="local_compute") == prompt_tokens
+        assert kv_usage(p) == 0  # pulled, so freed
+        assert failed_transfers(d) == 0
+
+        # The same handles cannot be pulled twice.
+        status, error = await decode(http, d, params)
+        assert status == 500 and "KV transfer failed" in error["error"]["message"]
+        assert failed_transfers(d) == 1
+
+
+async def test_streaming_decode_after_remote_prefill(http: aiohttp.ClientSession) -> None:
+    async with SimWorker(fast_config(Role.PREFILL)) as p, SimWorker(fast_config(Role.DECODE)) as d:
+        params = await prefill(http, p)
+        body = {"prompt": PROMPT, "max_tokens": 5, "stream": True, "kv_transfer_params": params}
+        async with http.post(d.url + "/v1/completions", json=body) as reply:
+            assert reply.status == 200
+            raw = (await reply.read()).decode()
+    assert raw.endswith("data: [DONE]\n\n")
+    assert raw.count("data: ") == 6
+    assert external_tokens(d) == len(tokenize(PROMPT))
+
+
+async def test_unknown_engine_or_blocks_fail_the_transfer(http: aiohttp.ClientSession) -> None:
+    async with SimWorker(fast_config(Role.PREFILL)) as p, SimWorker(fast_config(Role.DECODE)) as d:
+        params = await prefill(http, p)
+        status, error = await decode(http, d, {**params, "remote_engine_id": "no-such-engine"})
+        assert status == 500
+        assert "KV transfer failed" in error["error"]["message"] and "unknown engine" in error["error"]["message"]
+        status, error = await decode(http, d, {**params, "remote_block_ids": [400, 401]})
+        assert status == 500 and "unknown or expired block ids" in error["error"]["message"]
+        status, error = await decode(http, d, params, prompt="A different prompt altogether.")
+        assert status == 500 and "different prompt" in error["error"]["message"]
+        assert failed_transfers(d) == 3
+        assert external_tokens(d) == 0
+        # Failed pulls leave the held KV in place, so the right request still succeeds.
+        status, _ = await decode(http, d, params)
+        assert status == 200
+        assert sample(d.metrics_text(), "vllm:num_requests_waiting") == 0
+        assert kv_usage(d) == 0
+
+
+async def test_expired_kv_cannot_be_pulled(http: aiohttp.ClientSession) -> None:
+    async with (
+        SimWorker(fast_config(Role.PREFILL, kv_hold_timeout_s=0.05)) as p,
+        SimWorker(fast_config(Role.DECODE)) as d,
+    ):
+        params = await prefill(http, p)
+        await asyncio.sleep(0.3)
+        assert sample(p.metrics_text(), "vllm:nixl_num_kv_expired_reqs_total") == 1
+        assert kv_usage(p) == 0
+        status, error = await decode(http, d, params)
+    assert status == 500 and "expired" in error["error"]["message"]
+    assert failed_transfers(d) == 1
+
+
+async def test_unreachable_prefill_engine(http: aiohttp.ClientSession) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        dead_port = probe.getsockname()[1]
+    params = {**PREFILL_PARAMS, "do_remote_prefill": True, "do_remote_decode": False, "remote_engine_id": "x",
+              "remote_block_ids": [1], "remote_host": "127.0.0.1", "remote_port": dead_port}  # fmt: skip
+    async with SimWorker(fast_config(Role.DECODE)) as d:
+        status, error = await decode(http, d, params)
+        assert status == 500 and "cannot reach" in error["error"]["message"]
+        assert failed_transfers(d) == 1
+
+
+async def test_malformed_params_are_a_bad_request(http: aiohttp.ClientSession) -> None:
+    async with SimWorker(fast_config(Role.DECODE)) as d:
+        params = {"do_remote_prefill": True, "remote_engine_id": "e", "remote_block_ids": [1], "remote_port": 1}
+        status, error = await decode(http, d, params)
+    assert status == 400 and "remote_host" in error["error"]["message"]
+
+
+async def test_aggregated_worker_ignores_kv_transfer_params(http: aiohttp.ClientSession) -> None:
+    async with SimWorker(fast_config(Role.AGGREGATED)) as agg:
+        body = {"prompt": PROMPT, "max_tokens": 1, "kv_transfer_params": PREFILL_PARAMS}
+        status, reply = await post(http, agg.url + "/v1/completions", body)
+        assert status == 200 and reply["kv_transfer_params"] is None
+        assert kv_usage(agg) == 0
+
+
+async def test_separate_side_channel_port(http: aiohttp.ClientSession) -> None:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        side_port = probe.getsockname()[1]
+    async with (
+        SimWorker(fast_config(Role.PREFILL, side_channel_port=side_port, engine_id="prefill-0")) as p,
+        SimWorker(fast_config(Role.DECODE)) as d,
+    ):
+        params = await prefill(http, p)
+        assert params["remote_port"] == side_port != p.port
+        assert params["remote_engine_id"] == "prefill-0"
+        status, _ = await decode(http, d, params)
+        assert status == 200
+
+
+async def test_held_kv_counts_against_prefill_capacity(http: aiohttp.ClientSession) -> None:
+    # Two blocks in all: one held prefill leaves room for one more; the third request must wait
+    # until the decode side pulls (frees) the first one.
+    limits = dataclasses.replace(fast_config().limits, num_kv_blocks=2, max_model_len=256)
+    config = fast_config(Role.PREFILL, limits=limits)
+    async with SimWorker(config) as p, SimWorker(fast_config(Role.DECODE)) as d:
+        first = await prefill(http, p, "first prompt")
+        second = await prefill(http, p, "second prompt")
+        third = asyncio.create_task(prefill(http, p, "third prompt"))
+        await asyncio.sleep(0.2)
+        assert not third.done()
+        assert sample(p.metrics_text(), "vllm:num_requests_waiting") == 1
+        status, _ = await decode(http, d, first, prompt="first prompt")
+        assert status == 200
+        await asyncio.wait_for(third, 2)
+        for params, prompt in ((second, "second prompt"), (third.result(), "third prompt")):
+            status, _ = await decode(http, d, params, prompt=prompt)
+            assert status == 200
