@@ -1,0 +1,127 @@
+"""The P/D flow against simulated prefill and decode workers."""
+
+from __future__ import annotations
+
+import aiohttp
+import orjson
+
+from splitserve.sim import SimWorker
+from tests.router.conftest import metric_value, router_config, running_router, sim_config
+
+
+async def _post(url: str, body: dict[str, object], headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as response:
+        return response.status, await response.read(), {k.lower(): v for k, v in response.headers.items()}
+
+
+def _external_kv_tokens(worker: SimWorker) -> float:
+    for line in worker.metrics_text().splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_disaggregated_completion_uses_transferred_kv() -> None:
+    async with SimWorker(sim_config("prefill")) as prefill, SimWorker(sim_config("decode")) as decode:
+        config = router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+        async with running_router(config) as (router, url):
+            prompt = "the quick brown fox jumps over the lazy dog " * 5
+            status, body, headers = await _post(
+                url + "/v1/completions",
+                {"model": "sim-model", "prompt": prompt, "max_tokens": 8},
+                headers={"X-Request-Id": "req-abc"},
+            )
+            assert status == 200, body
+            answer = orjson.loads(body)
+            assert answer["usage"]["completion_tokens"] == 8
+            assert headers["x-request-id"] == "req-abc"
+            assert _external_kv_tokens(decode) == answer["usage"]["prompt_tokens"]
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}) == 1
+            assert metric_value(router, "splitserve_router_kv_handoff_seconds_count") == 1
+
+        # Same prompt straight to an aggregated path gives the same text: KV transfer changed nothing.
+        async with SimWorker(sim_config("aggregated")) as single:
+            _, alone, _ = await _post(single.url + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 8})
+        assert orjson.loads(alone)["choices"][0]["text"] == answer["choices"][0]["text"]
+
+
+async def test_streaming_chat_relays_every_event() -> None:
+    async with SimWorker(sim_config("prefill")) as prefill, SimWorker(sim_config("decode")) as decode:
+        config = router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+        async with running_router(config) as (router, url):
+            body = {
+                "model": "sim-model",
+                "messages": [{"role": "user", "content": "hello there, how are you today?"}],
+                "max_tokens": 6,
+                "stream": True,
+            }
+            status, raw, headers = await _post(url + "/v1/chat/completions", body)
+            assert status == 200
+            assert headers["content-type"].startswith("text/event-stream")
+            events = [line for line in raw.decode().split("\n\n") if line.startswith("data: ")]
+            assert events[-1] == "data: [DONE]"
+            assert len(events) >= 7  # six tokens (maybe a role chunk) and [DONE]
+            assert metric_value(router, "splitserve_router_ttft_seconds_count") == 1
+            assert metric_value(router, "splitserve_router_output_tokens_sum") >= 6
+            assert _external_kv_tokens(decode) > 0
+
+
+async def test_short_prompts_skip_prefill_below_threshold() -> None:
+    async with SimWorker(sim_config("prefill")) as prefill, SimWorker(sim_config("decode")) as decode:
+        config = router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,), disagg_threshold_tokens=100)
+        async with running_router(config) as (router, url):
+            status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "short", "max_tokens": 2})
+            assert status == 200
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"}) == 1
+            assert _external_kv_tokens(decode) == 0
+            status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "x" * 800, "max_tokens": 2})
+            assert status == 200
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}) == 1
+
+
+async def test_decode_only_deployment_serves_aggregated() -> None:
+    async with SimWorker(sim_config("aggregated")) as worker:
+        async with running_router(router_config(decode_urls=(worker.url,))) as (router, url):
+            status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "hi", "max_tokens": 2})
+            assert status == 200
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"}) == 1
+            assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_unavailable"}) == 0
+
+
+async def test_prefill_without_kv_params_falls_back_to_aggregated() -> None:
+    # An aggregated engine ignores do_remote_decode and answers kv_transfer_params: null.
+    async with SimWorker(sim_config("aggregated")) as not_prefill, SimWorker(sim_config("decode")) as decode:
+        config = router_config(prefill_urls=(not_prefill.url,), decode_urls=(decode.url,))
+        async with running_router(config) as (router, url):
+            status, body, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "a b c d", "max_tokens": 3})
+            assert status == 200
+            assert orjson.loads(body)["usage"]["completion_tokens"] == 3
+            assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_no_kv_params"}) == 1
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "fallback"}) == 1
+
+
+async def test_expired_kv_on_decode_is_retried_aggregated() -> None:
+    # The prefill frees its KV at once, so decode's pull fails with "KV transfer failed".
+    async with (
+        SimWorker(sim_config("prefill", kv_hold_timeout_s=1e-6)) as prefill,
+        SimWorker(sim_config("decode")) as decode,
+    ):
+        config = router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+        async with running_router(config) as (router, url):
+            status, body, _ = await _post(
+                url + "/v1/completions", {"model": "sim-model", "prompt": "one two three four five", "max_tokens": 4}
+            )
+            assert status == 200, body
+            assert orjson.loads(body)["usage"]["completion_tokens"] == 4
+            assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "decode_kv_error"}) == 1
+
+
+async def test_models_lists_the_served_model() -> None:
+    async with SimWorker(sim_config("aggregated")) as worker:
+        async with running_router(router_config(decode_urls=(worker.url,))) as (_, url):
+            async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
+                assert response.status == 200
+                assert [m["id"] for m in (await response.json())["data"]] == ["sim-model"]
+        async with running_router(router_config(decode_urls=(worker.url,), model=None)) as (_, url):
+            async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
+                assert [m["id"] for m in (await response.json())["data"]] == ["sim-model"]

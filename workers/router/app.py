@@ -1,0 +1,291 @@
+"""The router's HTTP application: handlers, lifecycle and the state they share.
+
+:class:`Router` owns everything one router instance has (config, metrics registry, pools,
+discovery task, counters); :func:`build_app` wires it into an ``aiohttp.web.Application`` whose
+startup/cleanup open and close the per-worker connection pools. Nothing lives at module level, so
+tests can run many routers in one process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import aiohttp
+import orjson
+from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from splitserve.router import errors
+from splitserve.router.config import DiscoveryKind, RouterConfig
+from splitserve.router.discovery import (
+    Discovery,
+    DnsDiscovery,
+    KubernetesDiscovery,
+    StaticDiscovery,
+    in_cluster_access,
+    kubeconfig_access,
+)
+from splitserve.router.flow import ClientGone, Flow, Mode, Outcome, RequestContext
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policies import PrefixAware, RoutingRequest, make_policy
+from splitserve.router.pool import AdmissionBudget, WorkerPool
+from splitserve.router.schema import validate_body
+from splitserve.router.tokens import HuggingFaceTokenizer, PromptMeasurer, Tokenizer
+
+log = logging.getLogger(__name__)
+
+_FORWARDED_HEADERS = ("Authorization",)
+
+
+def make_discovery(config: RouterConfig) -> Discovery:
+    if config.discovery is DiscoveryKind.STATIC:
+        return StaticDiscovery({"prefill": config.prefill_urls, "decode": config.decode_urls})
+    services = {"decode": config.decode_service or ""}
+    if config.prefill_service:
+        services["prefill"] = config.prefill_service
+    if config.discovery is DiscoveryKind.DNS:
+        hosts = {pool: name if "." in name else f"{name}.{config.namespace}.svc" for pool, name in services.items()}
+        return DnsDiscovery(hosts, config.worker_port, config.dns_interval)
+    access = kubeconfig_access(config.kubeconfig) if config.kubeconfig else in_cluster_access()
+    return KubernetesDiscovery(access, config.namespace, services, config.worker_port)
+
+
+class Router:
+    """All the state of one router instance."""
+
+    def __init__(
+        self, config: RouterConfig, discovery: Discovery | None = None, tokenizer: Tokenizer | None = None
+    ) -> None:
+        self.config = config
+        self.metrics = RouterMetrics()
+        self.budget = AdmissionBudget(config.queue_limit)
+        pool_options = {
+            "max_inflight_per_worker": config.max_inflight_per_worker,
+            "connect_timeout": config.connect_timeout,
+            "eject_after_failures": config.eject_after_failures,
+            "eject_min_seconds": config.eject_min_seconds,
+            "health_interval": config.health_interval,
+            "metrics_poll_interval": config.metrics_poll_interval,
+        }
+        self.prefill = WorkerPool(
+            "prefill",
+            make_policy(config.prefill_policy),
+            self.metrics,
+            self.budget,
+            **pool_options,  # type: ignore[arg-type]
+        )
+        self.decode = WorkerPool(
+            "decode",
+            make_policy(config.decode_policy),
+            self.metrics,
+            self.budget,
+            **pool_options,  # type: ignore[arg-type]
+        )
+        for pool in ("prefill", "decode"):
+            self.metrics.queue_depth.labels(pool).set(0)
+            self.metrics.inflight.labels(pool).set(0)
+        self.discovery = discovery or make_discovery(config)
+        if tokenizer is None and config.tokenizer:
+            tokenizer = HuggingFaceTokenizer(config.tokenizer)
+        wants_hashes = any(isinstance(p.policy, PrefixAware) for p in (self.prefill, self.decode))
+        self.measurer = PromptMeasurer(
+            tokenizer, config.prefix_block_tokens, config.approx_bytes_per_token, want_hashes=wants_hashes
+        )
+        self.flow = Flow(config, self.metrics, self.prefill, self.decode)
+        self.draining = False
+        self.active_requests = 0
+        self._idle = asyncio.Event()
+        self._background: list[asyncio.Task[None]] = []
+
+    # ---- lifecycle --------------------------------------------------------------------------
+
+    def _on_discovery(self, pool: str, ready: set[str], terminating: set[str]) -> None:
+        target = self.prefill if pool == "prefill" else self.decode
+        target.set_endpoints(ready, terminating)
+
+    async def start(self) -> None:
+        loop = asyncio.get_running_loop()
+        self._idle.set()
+        self._background = [
+            loop.create_task(self._run_discovery()),
+            loop.create_task(self.prefill.run_background()),
+            loop.create_task(self.decode.run_background()),
+        ]
+
+    async def _run_discovery(self) -> None:
+        try:
+            await self.discovery.run(self._on_discovery)
+        except asyncio.CancelledError:
+            raise
+        except Exception:
+            log.exception("discovery stopped")
+
+    async def stop(self) -> None:
+        for task in self._background:
+            task.cancel()
+        for task in self._background:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        await self.prefill.close()
+        await self.decode.close()
+
+    async def drain(self, grace_seconds: float) -> bool:
+        """Refuse new requests and wait for in-flight ones; True when all finished in time."""
+        self.draining = True
+        try:
+            await asyncio.wait_for(self._idle.wait(), grace_seconds)
+            return True
+        except TimeoutError:
+            return False
+
+    @property
+    def ready(self) -> bool:
+        return not self.draining and self.decode.has_healthy
+
+    # ---- handlers ---------------------------------------------------------------------------
+
+    async def health(self, request: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readiness(self, request: web.Request) -> web.Response:
+        body = {
+            "ready": self.ready,
+            "draining": self.draining,
+            "decode_workers": sum(1 for w in self.decode.workers if w.state == "healthy"),
+            "prefill_workers": sum(1 for w in self.prefill.workers if w.state == "healthy"),
+        }
+        return web.json_response(body, status=200 if self.ready else 503)
+
+    async def metrics_endpoint(self, request: web.Request) -> web.Response:
+        self.metrics.queue_depth.labels("prefill").set(self.prefill.queue_depth)
+        self.metrics.queue_depth.labels("decode").set(self.decode.queue_depth)
+        response = web.Response(body=generate_latest(self.metrics.registry))
+        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
+        return response
+
+    async def models(self, request: web.Request) -> web.Response:
+        if self.config.model:
+            card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "splitserve"}
+            return web.json_response({"object": "list", "data": [card]})
+        for worker in self.decode.workers:
+            try:
+                async with worker.session.get(worker.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
+                    if r.status == 200:
+                        return web.Response(body=await r.read(), content_type="application/json")
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                continue
+        raise errors.no_capacity("decode", 0)
+
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=False)
+
+    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, chat=True)
+
+    async def _read_body(self, request: web.Request) -> bytes:
+        limit = self.config.max_body_bytes
+        if request.content_length is not None and request.content_length > limit:
+            raise errors.too_large(limit)
+        try:
+            return await request.read()
+        except web.HTTPRequestEntityTooLarge:
+            raise errors.too_large(limit) from None
+
+    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        started = time.monotonic()
+        ctx: RequestContext | None = None
+        self.active_requests += 1
+        self._idle.clear()
+        outcome, mode = Outcome.CLIENT_ERROR, Mode.NONE
+        try:
+            if self.draining:
+                outcome = Outcome.REJECTED
+                raise errors.draining()
+            raw = await self._read_body(request)
+            try:
+                parsed = orjson.loads(raw)
+            except orjson.JSONDecodeError as error:
+                raise errors.bad_request(f"Request body is not valid JSON: {error}", code="invalid_json") from None
+            body = validate_body(parsed, chat)
+            if self.config.model is not None and body["model"] != self.config.model:
+                raise errors.model_not_found(body["model"])
+            shape = self.measurer.measure(body)
+            self.metrics.prompt_tokens.observe(shape.tokens)
+            headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+            ctx = RequestContext(
+                path=request.path,
+                body=body,
+                raw_body=raw,
+                stream=body.get("stream") is True,
+                request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
+                routing=RoutingRequest(shape.tokens, shape.block_hashes),
+                started=started,
+                forward_headers=headers,
+            )
+            response = await self.flow.serve(ctx, request)
+            outcome, mode = ctx.outcome, ctx.mode
+            return response
+        except errors.RouterError:
+            if ctx is not None:
+                outcome, mode = ctx.outcome, ctx.mode
+            raise
+        except (asyncio.CancelledError, ClientGone):
+            outcome = Outcome.CANCELLED
+            mode = ctx.mode if ctx is not None else Mode.NONE
+            raise
+        finally:
+            self.metrics.requests.labels(outcome.value, mode.value).inc()
+            self.metrics.e2e.observe(time.monotonic() - started)
+            self.active_requests -= 1
+            if self.active_requests == 0:
+                self._idle.set()
+
+
+ROUTER_KEY = web.AppKey("router", Router)
+
+Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
+
+
+@web.middleware
+async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
+    """Every error leaves as OpenAI-style JSON; tracebacks stay in the log."""
+    try:
+        return await handler(request)
+    except errors.RouterError as error:
+        return error.response()
+    except ClientGone:
+        return web.Response(status=499)  # nobody is listening; aiohttp just closes
+    except web.HTTPException as error:
+        if error.status < 400:
+            raise
+        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status, "http_error")
+        return errors.RouterError(error.status, error.reason, code).response()
+    except asyncio.CancelledError:
+        raise
+    except Exception:
+        log.exception("unhandled error on %s %s", request.method, request.path)
+        return errors.RouterError(500, "Internal router error.", "internal_error", error_type="server_error").response()
+
+
+def build_app(router: Router) -> web.Application:
+    """The aiohttp application of ``router``; its startup and cleanup own the router's lifecycle."""
+    app = web.Application(middlewares=[openai_errors], client_max_size=router.config.max_body_bytes)
+    app[ROUTER_KEY] = router
+    app.router.add_post("/v1/completions", router.completions)
+    app.router.add_post("/v1/chat/completions", router.chat_completions)
+    app.router.add_get("/v1/models", router.models)
+    app.router.add_get("/health", router.health)
+    app.router.add_get("/ready", router.readiness)
+    app.router.add_get("/metrics", router.metrics_endpoint)
+
+    async def lifespan(_: web.Application) -> AsyncIterator[None]:
+        await router.start()
+        yield
+        await router.stop()
+
+    app.cleanup_ctx.append(lifespan)
+    return app

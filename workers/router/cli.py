@@ -1,0 +1,166 @@
+"""``splitserve router``: parse flags into a RouterConfig and serve until SIGTERM, then drain."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Callable
+
+from aiohttp import web
+from splitserve.router.config import DiscoveryKind, RouterConfig
+from splitserve.router.policies import PolicyName
+
+log = logging.getLogger("splitserve.router")
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
+    for url in urls:
+        if not url.startswith(("http://", "https://")):
+            raise argparse.ArgumentTypeError(f"not an http(s) URL: {url!r}")
+    return urls
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    policies = [p.value for p in PolicyName]
+    add = parser.add_argument
+    add("--host", default="0.0.0.0")
+    add("--port", type=int, default=8000)
+    add("--model", default=None, help="served model name clients must use (default: accept any)")
+    add("--prefill", type=_urls, default=(), help="static prefill worker URLs, comma-separated")
+    add("--decode", type=_urls, default=(), help="static decode worker URLs, comma-separated")
+    add("--discovery", choices=[d.value for d in DiscoveryKind], default=None,
+        help="static (default with --decode), dns, or kubernetes")  # fmt: skip
+    add("--namespace", default="default")
+    add("--prefill-service", default=None, help="Service of the prefill pool (dns/kubernetes discovery)")
+    add("--decode-service", default=None, help="Service of the decode pool (dns/kubernetes discovery)")
+    add("--worker-port", type=int, default=8000)
+    add("--kubeconfig", default=None, help="kubeconfig for kubernetes discovery outside a cluster")
+    add("--dns-interval", type=float, default=5.0)
+    add("--policy", choices=policies, default=None, help="routing policy for both pools")
+    add("--prefill-policy", choices=policies, default=None, help="default round-robin")
+    add("--decode-policy", choices=policies, default=None, help="default least-loaded")
+    add("--queue-limit", type=int, default=1024, help="requests that may wait for a slot before 429")
+    add("--queue-timeout", type=float, default=30.0, help="longest wait for a worker slot before 503")
+    add("--max-inflight-per-worker", type=int, default=256, help="0 = unlimited")
+    add("--connect-timeout", type=float, default=5.0)
+    add("--prefill-timeout", type=float, default=120.0)
+    add("--decode-timeout", type=float, default=120.0, help="to decode's first byte and between chunks")
+    add("--request-timeout", type=float, default=900.0)
+    add("--disagg-threshold-tokens", type=int, default=0, help="shorter prompts go straight to decode")
+    add("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    add("--drain-seconds", type=float, default=30.0)
+    add("--tokenizer", default=None, help="local Hugging Face tokenizer dir (default: 4 bytes ~ 1 token)")
+    add("--prefix-block-tokens", type=int, default=16)
+    add("--max-retries", type=int, default=2)
+    add("--eject-after-failures", type=int, default=3)
+    add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    """RouterConfig from parsed flags; ValueError with a one-line message when they cannot work."""
+    discovery = DiscoveryKind(args.discovery) if args.discovery else DiscoveryKind.STATIC
+    if discovery is DiscoveryKind.STATIC and not args.decode:
+        raise ValueError("static discovery needs --decode URL[,URL...] (or use --discovery dns|kubernetes)")
+    if discovery is not DiscoveryKind.STATIC and not args.decode_service:
+        raise ValueError(f"--discovery {discovery.value} needs --decode-service")
+    numbers = {
+        "--queue-limit": args.queue_limit, "--queue-timeout": args.queue_timeout,
+        "--connect-timeout": args.connect_timeout, "--prefill-timeout": args.prefill_timeout,
+        "--decode-timeout": args.decode_timeout, "--request-timeout": args.request_timeout,
+        "--max-body-bytes": args.max_body_bytes, "--prefix-block-tokens": args.prefix_block_tokens,
+    }  # fmt: skip
+    for flag, value in numbers.items():
+        if value <= 0:
+            raise ValueError(f"{flag} must be positive, got {value}")
+    for flag, value in {"--disagg-threshold-tokens": args.disagg_threshold_tokens,
+                        "--max-retries": args.max_retries, "--drain-seconds": args.drain_seconds,
+                        "--max-inflight-per-worker": args.max_inflight_per_worker}.items():  # fmt: skip
+        if value < 0:
+            raise ValueError(f"{flag} must be >= 0, got {value}")
+    return RouterConfig(
+        host=args.host,
+        port=args.port,
+        model=args.model,
+        discovery=discovery,
+        prefill_urls=tuple(args.prefill),
+        decode_urls=tuple(args.decode),
+        namespace=args.namespace,
+        prefill_service=args.prefill_service,
+        decode_service=args.decode_service,
+        worker_port=args.worker_port,
+        kubeconfig=args.kubeconfig,
+        dns_interval=args.dns_interval,
+        prefill_policy=args.prefill_policy or args.policy or "round-robin",
+        decode_policy=args.decode_policy or args.policy or "least-loaded",
+        queue_limit=args.queue_limit,
+        queue_timeout=args.queue_timeout,
+        max_inflight_per_worker=args.max_inflight_per_worker,
+        connect_timeout=args.connect_timeout,
+        prefill_timeout=args.prefill_timeout,
+        decode_timeout=args.decode_timeout,
+        request_timeout=args.request_timeout,
+        disagg_threshold_tokens=args.disagg_threshold_tokens,
+        max_body_bytes=args.max_body_bytes,
+        drain_seconds=args.drain_seconds,
+        tokenizer=args.tokenizer,
+        prefix_block_tokens=args.prefix_block_tokens,
+        max_retries=args.max_retries,
+        eject_after_failures=args.eject_after_failures,
+    )
+
+
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+    """Serve until ``stop`` is set (or SIGTERM/SIGINT), then stop accepting, drain and exit."""
+    from splitserve.router.app import Router, build_app
+
+    router = Router(config)
+    app = build_app(router)
+    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.drain_seconds)
+    await runner.setup()
+    site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
+    await site.start()
+    log.info("router listening on %s:%d (prefill=%s, decode=%s)", config.host, config.port,
+             config.prefill_policy, config.decode_policy)  # fmt: skip
+    stop = stop or asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: no new connections, draining %d in-flight requests for up to %gs",
+             router.active_requests, config.drain_seconds)  # fmt: skip
+    await site.stop()  # closes the listening socket; open connections keep being served
+    finished = await router.drain(config.drain_seconds)
+    if not finished:
+        log.warning("drain period over with %d requests still in flight", router.active_requests)
+    await runner.cleanup()
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    factory: Callable[[], asyncio.AbstractEventLoop] = uvloop.new_event_loop
+    return factory
+
+
+def run(args: argparse.Namespace) -> int:
+    logging.basicConfig(
+        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+    )
+    try:
+        config = config_from_args(args)
+    except ValueError as error:
+        print(f"splitserve router: error: {error}", file=sys.stderr)
+        return 2
+    try:
+        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+            runner.run(serve(config))
+    except OSError as error:
+        print(f"splitserve router: error: {error}", file=sys.stderr)
+        return 1
+    return 0

@@ -1,0 +1,377 @@
+"""One request through the pools: vLLM's prefill/decode protocol with its fallbacks and retries.
+
+Order of work: take a decode slot first (so a request waiting for scale-from-zero holds no
+prefill KV that could expire), then run the prefill leg (``max_tokens=1``, no streaming,
+``kv_transfer_params.do_remote_decode``), then send the original request to decode with the
+``kv_transfer_params`` prefill returned, relaying decode's bytes as they arrive. Anything that
+breaks disaggregation (no prefill worker, a failed prefill, no usable KV parameters, a decode that
+cannot find the KV) turns the request into an aggregated one on decode, counted by reason; only
+when decode itself cannot serve does the client get an error.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import aiohttp
+import orjson
+from aiohttp import web
+from splitserve.router import errors
+from splitserve.router.config import RouterConfig
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policies import RoutingRequest
+from splitserve.router.pool import Worker, WorkerPool
+
+log = logging.getLogger(__name__)
+
+# What vLLM's own disaggregated proxy sends on the prefill leg.
+PREFILL_KV_PARAMS: dict[str, Any] = {
+    "do_remote_decode": True,
+    "do_remote_prefill": False,
+    "remote_engine_id": None,
+    "remote_block_ids": None,
+    "remote_host": None,
+    "remote_port": None,
+}
+# Phrases of decode errors that mean "the transferred KV is not there": retry aggregated.
+KV_ERROR_MARKERS = (b"kv_transfer", b"kv transfer", b"kv cache transfer", b"remote kv", b"kv blocks", b"kv_load")
+_SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+
+
+class Mode(enum.StrEnum):
+    DISAGGREGATED = "disaggregated"
+    AGGREGATED = "aggregated"
+    FALLBACK = "fallback"
+    NONE = "none"
+
+
+class Outcome(enum.StrEnum):
+    SUCCESS = "success"
+    CLIENT_ERROR = "client_error"
+    REJECTED = "rejected"
+    NO_CAPACITY = "no_capacity"
+    UPSTREAM_ERROR = "upstream_error"
+    STREAM_ERROR = "stream_error"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class RequestContext:
+    """What one request carries through the flow; filled in as it goes, read by the metrics."""
+
+    path: str
+    body: dict[str, Any]
+    raw_body: bytes
+    stream: bool
+    request_id: str
+    routing: RoutingRequest
+    started: float
+    forward_headers: dict[str, str] = field(default_factory=dict)
+    mode: Mode = Mode.NONE
+    outcome: Outcome = Outcome.SUCCESS
+
+
+class _Retriable(Exception):
+    """The attempt failed before anything reached the client: another worker may succeed."""
+
+
+class _KvMissing(Exception):
+    """Decode could not use the transferred KV: serve the request aggregated instead."""
+
+
+def is_kv_error(body: bytes) -> bool:
+    lowered = body.lower()
+    return any(marker in lowered for marker in KV_ERROR_MARKERS)
+
+
+def usable_kv_params(answer: object) -> dict[str, Any] | None:
+    """The kv_transfer_params of a prefill answer when decode can use them, else None."""
+    if not isinstance(answer, dict):
+        return None
+    params = answer.get("kv_transfer_params")
+    if not isinstance(params, dict) or not params.get("remote_engine_id"):
+        return None
+    return params
+
+
+def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
+    leg = dict(body)
+    leg["max_tokens"] = 1
+    if "max_completion_tokens" in leg:
+        leg["max_completion_tokens"] = 1
+    leg["stream"] = False
+    leg.pop("stream_options", None)
+    leg.pop("min_tokens", None)
+    leg["kv_transfer_params"] = dict(PREFILL_KV_PARAMS)
+    return leg
+
+
+def count_streamed_tokens(chunk: bytes) -> int:
+    """Generated-token events in a chunk of vLLM's SSE: data events minus [DONE] and usage-only ones."""
+    return chunk.count(b"data: ") - chunk.count(b"data: [DONE]") - chunk.count(b'"choices":[]')
+
+
+class Flow:
+    def __init__(self, config: RouterConfig, metrics: RouterMetrics, prefill: WorkerPool, decode: WorkerPool) -> None:
+        self._config = config
+        self._metrics = metrics
+        self._prefill = prefill
+        self._decode = decode
+        self._has_prefill_pool = config.has_prefill_source
+
+    # ---- the whole request ------------------------------------------------------------------
+
+    async def serve(self, ctx: RequestContext, http_request: web.Request) -> web.StreamResponse:
+        deadline = time.monotonic() + self._config.queue_timeout
+        try:
+            decode: Worker | None = await self._decode.acquire(ctx.routing, deadline)
+        except errors.RouterError as error:
+            ctx.outcome = Outcome.REJECTED if error.status == 429 else Outcome.NO_CAPACITY
+            raise
+        tried: set[str] = set()
+        try:
+            try:
+                kv_params = await self._maybe_prefill(ctx)
+            except _PassThrough as answer:
+                return _passthrough_response(answer.status, answer.body, ctx.request_id)
+            retries = 0
+            while True:
+                assert decode is not None
+                tried.add(decode.url)
+                try:
+                    return await self._decode_attempt(ctx, decode, kv_params, http_request)
+                except _KvMissing:
+                    # Not the worker's fault: run it aggregated on the same worker.
+                    self._metrics.fallbacks.labels("decode_kv_error").inc()
+                    ctx.mode = Mode.FALLBACK
+                    kv_params = None
+                except _Retriable as failure:
+                    self._decode.record_failure(decode)
+                    if retries >= self._config.max_retries:
+                        ctx.outcome = Outcome.UPSTREAM_ERROR
+                        message = f"Decode failed after {retries + 1} attempts: {failure}"
+                        raise errors.upstream_failed(message) from None
+                    retries += 1
+                    self._metrics.retries.labels("decode").inc()
+                    self._decode.release(decode)
+                    decode = None
+                    try:
+                        decode = await self._decode.acquire(
+                            ctx.routing, time.monotonic() + self._config.queue_timeout, frozenset(tried)
+                        )
+                    except errors.RouterError:
+                        ctx.outcome = Outcome.NO_CAPACITY
+                        raise
+        except ClientGone:
+            ctx.outcome = Outcome.CANCELLED
+            raise
+        finally:
+            if decode is not None:
+                self._decode.release(decode)
+
+    # ---- prefill ----------------------------------------------------------------------------
+
+    async def _maybe_prefill(self, ctx: RequestContext) -> dict[str, Any] | None:
+        """kv_transfer_params for decode, or None to serve aggregated (ctx.mode says why)."""
+        if not self._has_prefill_pool:
+            ctx.mode = Mode.AGGREGATED
+            return None
+        if ctx.routing.prompt_tokens < self._config.disagg_threshold_tokens:
+            ctx.mode = Mode.AGGREGATED
+            return None
+        if not self._prefill.has_healthy:
+            return self._fallback(ctx, "prefill_unavailable")
+        tried: set[str] = set()
+        attempts = min(1 + self._config.max_retries, 2)
+        for attempt in range(attempts):
+            deadline = time.monotonic() + self._config.queue_timeout
+            if not self._prefill.has_healthy:
+                return self._fallback(ctx, "prefill_unavailable")
+            try:
+                worker = await self._prefill.acquire(ctx.routing, deadline, frozenset(tried))
+            except errors.RouterError:
+                return self._fallback(ctx, "prefill_unavailable")
+            tried.add(worker.url)
+            try:
+                params = await self._prefill_attempt(ctx, worker)
+            except _Retriable as failure:
+                log.info("prefill on %s failed (%s) for %s", worker.url, failure, ctx.request_id)
+                self._prefill.record_failure(worker)
+                if attempt + 1 < attempts and self._prefill.has_healthy:
+                    self._metrics.retries.labels("prefill").inc()
+                    continue
+                return self._fallback(ctx, "prefill_failed")
+            finally:
+                self._prefill.release(worker)
+            self._prefill.record_success(worker)
+            if params is None:
+                return self._fallback(ctx, "prefill_no_kv_params")
+            ctx.mode = Mode.DISAGGREGATED
+            return params
+        return self._fallback(ctx, "prefill_failed")
+
+    def _fallback(self, ctx: RequestContext, reason: str) -> dict[str, Any] | None:
+        self._metrics.fallbacks.labels(reason).inc()
+        ctx.mode = Mode.FALLBACK
+        return None
+
+    async def _prefill_attempt(self, ctx: RequestContext, worker: Worker) -> dict[str, Any] | None:
+        payload = orjson.dumps(prefill_body(ctx.body))
+        timeout = aiohttp.ClientTimeout(total=self._config.prefill_timeout, connect=self._config.connect_timeout)
+        headers = {**ctx.forward_headers, "Content-Type": "application/json", "X-Request-Id": ctx.request_id}
+        try:
+            async with worker.session.post(worker.url + ctx.path, data=payload, headers=headers, timeout=timeout) as r:
+                body = await r.read()
+                status = r.status
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            raise _Retriable(f"{type(error).__name__}: {error}") from None
+        if status >= 500:
+            raise _Retriable(f"HTTP {status}")
+        if status >= 400:
+            # The request itself is wrong (decode would say the same): tell the client.
+            ctx.outcome = Outcome.CLIENT_ERROR
+            raise _PassThrough(status, body)
+        try:
+            return usable_kv_params(orjson.loads(body))
+        except orjson.JSONDecodeError:
+            return None
+
+    # ---- decode -----------------------------------------------------------------------------
+
+    async def _decode_attempt(
+        self, ctx: RequestContext, worker: Worker, kv_params: dict[str, Any] | None, http_request: web.Request
+    ) -> web.StreamResponse:
+        # Aggregated attempts forward the client's bytes untouched (no re-serialisation).
+        with_kv = {**ctx.body, "kv_transfer_params": kv_params} if kv_params is not None else None
+        payload = orjson.dumps(with_kv) if with_kv is not None else ctx.raw_body
+        config = self._config
+        remaining = max(1.0, config.request_timeout - (time.monotonic() - ctx.started))
+        timeout = aiohttp.ClientTimeout(
+            total=remaining, connect=config.connect_timeout, sock_read=config.decode_timeout
+        )
+        headers = {**ctx.forward_headers, "Content-Type": "application/json", "X-Request-Id": ctx.request_id}
+        handoff_start = time.monotonic()
+        try:
+            async with worker.session.post(worker.url + ctx.path, data=payload, headers=headers, timeout=timeout) as r:
+                if r.status >= 400:
+                    body = await r.read()
+                    if kv_params is not None and is_kv_error(body):
+                        raise _KvMissing
+                    if r.status >= 500:
+                        raise _Retriable(f"HTTP {r.status}: {body[:200]!r}")
+                    ctx.outcome = Outcome.CLIENT_ERROR
+                    self._decode.record_success(worker)
+                    return _passthrough_response(r.status, body, ctx.request_id)
+                if not ctx.stream:
+                    body = await r.read()
+                    self._decode.record_success(worker)
+                    self._observe_whole(ctx, body, handoff_start, kv_params is not None)
+                    return web.Response(
+                        status=r.status,
+                        body=body,
+                        headers={
+                            "Content-Type": r.headers.get("Content-Type", "application/json"),
+                            "X-Request-Id": ctx.request_id,
+                        },
+                    )
+                first = await r.content.readany()
+                if not first:
+                    raise _Retriable("decode closed the stream before its first byte")
+                self._decode.record_success(worker)
+                return await self._relay(ctx, r, first, handoff_start, kv_params is not None, http_request, worker)
+        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+            # Only reached before the client saw a byte: _relay handles its own failures.
+            raise _Retriable(f"{type(error).__name__}: {error}") from None
+
+    def _observe_whole(self, ctx: RequestContext, body: bytes, handoff_start: float, disaggregated: bool) -> None:
+        now = time.monotonic()
+        if disaggregated:
+            self._metrics.kv_handoff.observe(now - handoff_start)
+        try:
+            usage = orjson.loads(body).get("usage") or {}
+            tokens = usage.get("completion_tokens")
+            if isinstance(tokens, int):
+                self._metrics.output_tokens.observe(tokens)
+        except (orjson.JSONDecodeError, AttributeError):
+            pass
+
+    async def _relay(
+        self,
+        ctx: RequestContext,
+        upstream: aiohttp.ClientResponse,
+        first: bytes,
+        handoff_start: float,
+        disaggregated: bool,
+        http_request: web.Request,
+        worker: Worker,
+    ) -> web.StreamResponse:
+        metrics = self._metrics
+        now = time.monotonic()
+        metrics.ttft.observe(now - ctx.started)
+        if disaggregated:
+            metrics.kv_handoff.observe(now - handoff_start)
+        response = web.StreamResponse(status=upstream.status, headers={**_SSE_HEADERS, "X-Request-Id": ctx.request_id})
+        try:
+            await response.prepare(http_request)
+        except ConnectionResetError:
+            raise ClientGone from None
+        tokens = count_streamed_tokens(first)
+        await _write(response, first)
+        last = now
+        itl = metrics.itl
+        content = upstream.content
+        while True:
+            try:
+                chunk = await content.readany()
+            except (aiohttp.ClientError, TimeoutError, OSError) as error:
+                # Headers are gone: the only honest answer left is an error event and a clean end.
+                self._decode.record_failure(worker)
+                ctx.outcome = Outcome.STREAM_ERROR
+                log.warning("decode stream from %s broke for %s: %r", worker.url, ctx.request_id, error)
+                code = "decode_timeout" if isinstance(error, TimeoutError) else "decode_stream_interrupted"
+                message = f"The decode worker stopped mid-stream ({type(error).__name__})."
+                await _write(response, errors.upstream_failed(message, code).sse_event() + b"data: [DONE]\n\n")
+                break
+            if not chunk:
+                break
+            now = time.monotonic()
+            itl.observe(now - last)
+            last = now
+            tokens += count_streamed_tokens(chunk)
+            await _write(response, chunk)
+        metrics.output_tokens.observe(max(0, tokens))
+        try:
+            await response.write_eof()
+        except ConnectionResetError:
+            raise ClientGone from None
+        return response
+
+
+class ClientGone(Exception):
+    """The client closed its connection while the answer was being streamed."""
+
+
+async def _write(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write(data)
+    except ConnectionResetError:
+        raise ClientGone from None
+
+
+class _PassThrough(Exception):
+    """An upstream 4xx to hand to the client as it is."""
+
+    def __init__(self, status: int, body: bytes) -> None:
+        super().__init__(status)
+        self.status = status
+        self.body = body
+
+
+def _passthrough_response(status: int, body: bytes, request_id: str) -> web.Response:
+    return web.Response(
+        status=status, body=body, headers={"Content-Type": "application/json", "X-Request-Id": request_id}
+    )

@@ -1,0 +1,354 @@
+"""A pool of workers of one role: membership, health, ejection, slots and the wait for a slot.
+
+Requests take a *slot* on a worker (``acquire``) for as long as they use it and give it back
+(``release``). A worker is routable when it is healthy and below the per-worker cap. When no worker
+is routable a request waits in the pool's FIFO, bounded by the shared :class:`AdmissionBudget`
+(429 beyond it) and by a deadline (503 after it): this is both backpressure and scale-to-zero
+buffering, and the waiting count is the queue depth the autoscaler reads.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import contextlib
+import enum
+import logging
+import time
+from collections.abc import Iterable
+
+import aiohttp
+from splitserve.router import errors
+from splitserve.router.metrics import RouterMetrics
+from splitserve.router.policies import KvAware, PrefixAware, RoutingPolicy, RoutingRequest
+
+log = logging.getLogger(__name__)
+
+
+class WorkerState(enum.StrEnum):
+    HEALTHY = "healthy"
+    EJECTED = "ejected"
+    TERMINATING = "terminating"
+
+
+class AdmissionBudget:
+    """How many requests may wait for a slot, across all pools, before the router says 429."""
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self.waiting = 0
+
+    def enter(self) -> None:
+        if self.waiting >= self.limit:
+            raise errors.queue_full(retry_after_seconds=1)
+        self.waiting += 1
+
+    def leave(self) -> None:
+        self.waiting -= 1
+
+
+class Worker:
+    """One upstream worker: its connection pool and what the router knows about it."""
+
+    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession) -> None:
+        self.url = url.rstrip("/")
+        self.pool = pool
+        self.session = session
+        self.state = WorkerState.HEALTHY
+        self.inflight = 0
+        self.consecutive_failures = 0
+        self.ejections = 0
+        self.ejected_at = 0.0
+        self.removed = False
+        self.kv_usage: float | None = None
+        self.waiting: float | None = None
+
+    @property
+    def key(self) -> str:
+        return self.url
+
+    def __repr__(self) -> str:
+        return f"Worker({self.url!r}, {self.state}, inflight={self.inflight})"
+
+
+def parse_engine_load(text: str) -> tuple[float | None, float | None]:
+    """(kv usage in [0, 1], waiting requests) summed over the lines of vLLM's /metrics text."""
+    kv: float | None = None
+    waiting: float | None = None
+    for line in text.splitlines():
+        if line.startswith("vllm:kv_cache_usage_perc") or line.startswith("vllm:num_requests_waiting"):
+            name, _, value = line.rpartition(" ")
+            if "num_requests_waiting_by_reason" in name:
+                continue
+            try:
+                number = float(value)
+            except ValueError:
+                continue
+            if name.startswith("vllm:kv_cache_usage_perc"):
+                kv = max(kv or 0.0, number)
+            else:
+                waiting = (waiting or 0.0) + number
+    return kv, waiting
+
+
+class WorkerPool:
+    def __init__(
+        self,
+        name: str,
+        policy: RoutingPolicy,
+        metrics: RouterMetrics,
+        budget: AdmissionBudget,
+        *,
+        max_inflight_per_worker: int,
+        connect_timeout: float,
+        eject_after_failures: int,
+        eject_min_seconds: float,
+        health_interval: float,
+        metrics_poll_interval: float,
+    ) -> None:
+        self.name = name
+        self.policy = policy
+        self._metrics = metrics
+        self._budget = budget
+        self._cap = max_inflight_per_worker
+        self._connect_timeout = connect_timeout
+        self._eject_after = eject_after_failures
+        self._eject_min = eject_min_seconds
+        self._health_interval = health_interval
+        self._poll_interval = metrics_poll_interval
+        self._workers: dict[str, Worker] = {}
+        self._routable: list[Worker] = []
+        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._tasks: list[asyncio.Task[None]] = []
+        self.inflight = 0
+        self._publish_states()
+
+    # ---- membership -------------------------------------------------------------------------
+
+    @property
+    def workers(self) -> list[Worker]:
+        return sorted(self._workers.values(), key=lambda w: w.url)
+
+    @property
+    def has_healthy(self) -> bool:
+        return any(w.state is WorkerState.HEALTHY for w in self._workers.values())
+
+    @property
+    def queue_depth(self) -> int:
+        return len(self._waiters)
+
+    def set_endpoints(self, ready: Iterable[str], terminating: Iterable[str] = ()) -> None:
+        """Apply a discovery snapshot: new URLs join, terminating ones get no new requests, missing
+        ones leave (their connection pool closes once their last request finishes)."""
+        ready_set = {u.rstrip("/") for u in ready}
+        terminating_set = {u.rstrip("/") for u in terminating} - ready_set
+        for url in ready_set | terminating_set:
+            worker = self._workers.get(url)
+            if worker is None:
+                worker = Worker(url, self.name, self._new_session())
+                self._workers[url] = worker
+                log.info("%s worker added: %s", self.name, url)
+            if url in terminating_set:
+                worker.state = WorkerState.TERMINATING
+            elif worker.state is WorkerState.TERMINATING:
+                worker.state = WorkerState.HEALTHY
+        for url in [u for u in self._workers if u not in ready_set | terminating_set]:
+            worker = self._workers.pop(url)
+            worker.removed = True
+            log.info("%s worker removed: %s", self.name, url)
+            if isinstance(self.policy, PrefixAware):
+                self.policy.forget_worker(url)
+            if worker.inflight == 0:
+                self._forget_worker_gauge(url)
+                self._close_later(worker)
+        self._changed()
+
+    def _new_session(self) -> aiohttp.ClientSession:
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=False)
+        return aiohttp.ClientSession(
+            connector=connector,
+            timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout),
+            skip_auto_headers=("User-Agent",),
+            auto_decompress=False,
+        )
+
+    def _forget_worker_gauge(self, url: str) -> None:
+        with contextlib.suppress(KeyError):  # the worker may never have had a request
+            self._metrics.worker_inflight.remove(self.name, url)
+
+    def _close_later(self, worker: Worker) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(worker.session.close())
+        self._tasks.append(task)
+        task.add_done_callback(self._tasks.remove)
+
+    def _changed(self) -> None:
+        self._routable = [
+            w for w in sorted(self._workers.values(), key=lambda w: w.url) if w.state is WorkerState.HEALTHY
+        ]
+        self._publish_states()
+        self._wake(all_waiters=True)
+
+    def _publish_states(self) -> None:
+        counts = dict.fromkeys(WorkerState, 0)
+        for worker in self._workers.values():
+            counts[worker.state] += 1
+        for state, count in counts.items():
+            self._metrics.workers.labels(self.name, state.value).set(count)
+
+    # ---- slots ------------------------------------------------------------------------------
+
+    def _try_acquire(self, request: RoutingRequest, exclude: frozenset[str]) -> Worker | None:
+        cap = self._cap
+        candidates = [w for w in self._routable if cap <= 0 or w.inflight < cap]
+        if not candidates:
+            return None
+        if exclude:
+            # Prefer a worker not tried yet; with no other choice, the same one beats failing.
+            preferred = [w for w in candidates if w.url not in exclude]
+            candidates = preferred or candidates
+        worker = self.policy.choose(candidates, request)
+        worker.inflight += 1
+        self.inflight += 1
+        self._metrics.worker_inflight.labels(self.name, worker.url).set(worker.inflight)
+        self._metrics.inflight.labels(self.name).set(self.inflight)
+        return worker
+
+    async def acquire(self, request: RoutingRequest, deadline: float, exclude: frozenset[str] = frozenset()) -> Worker:
+        """A slot on a worker chosen by the policy, waiting until ``deadline`` (monotonic time)."""
+        if not self._waiters:
+            worker = self._try_acquire(request, exclude)
+            if worker is not None:
+                return worker
+        self._budget.enter()
+        self._metrics.queue_depth.labels(self.name).inc()
+        loop = asyncio.get_running_loop()
+        try:
+            first = True
+            while True:
+                future: asyncio.Future[None] = loop.create_future()
+                if first:
+                    self._waiters.append(future)
+                else:
+                    self._waiters.appendleft(future)  # keep its place after losing a race
+                first = False
+                remaining = deadline - time.monotonic()
+                try:
+                    if remaining <= 0:
+                        raise TimeoutError
+                    await asyncio.wait_for(future, remaining)
+                except TimeoutError:
+                    raise errors.no_capacity(self.name, max(0.0, remaining)) from None
+                finally:
+                    if not future.done():
+                        future.cancel()
+                    if future in self._waiters:
+                        self._waiters.remove(future)
+                worker = self._try_acquire(request, exclude)
+                if worker is not None:
+                    return worker
+        finally:
+            self._budget.leave()
+            self._metrics.queue_depth.labels(self.name).dec()
+
+    def release(self, worker: Worker) -> None:
+        worker.inflight -= 1
+        self.inflight -= 1
+        self._metrics.inflight.labels(self.name).set(self.inflight)
+        if worker.removed:
+            if worker.inflight == 0:
+                self._forget_worker_gauge(worker.url)
+                self._close_later(worker)
+        else:
+            self._metrics.worker_inflight.labels(self.name, worker.url).set(worker.inflight)
+        self._wake(all_waiters=False)
+
+    def _wake(self, all_waiters: bool) -> None:
+        while self._waiters:
+            future = self._waiters.popleft()
+            if not future.done():
+                future.set_result(None)
+                if not all_waiters:
+                    return
+
+    # ---- health -----------------------------------------------------------------------------
+
+    def record_success(self, worker: Worker) -> None:
+        worker.consecutive_failures = 0
+
+    def record_failure(self, worker: Worker) -> None:
+        worker.consecutive_failures += 1
+        if worker.state is WorkerState.HEALTHY and worker.consecutive_failures >= self._eject_after:
+            worker.state = WorkerState.EJECTED
+            worker.ejected_at = time.monotonic()
+            worker.ejections += 1
+            self._metrics.ejections.labels(self.name).inc()
+            log.warning("%s worker ejected after %d failures: %s", self.name, worker.consecutive_failures, worker.url)
+            self._changed()
+
+    def eject_backoff(self, worker: Worker) -> float:
+        return float(min(30.0, self._eject_min * 2.0 ** max(0, worker.ejections - 1)))
+
+    async def _probe(self, worker: Worker) -> bool:
+        try:
+            timeout = aiohttp.ClientTimeout(total=max(1.0, self._connect_timeout))
+            async with worker.session.get(worker.url + "/health", timeout=timeout) as response:
+                return response.status == 200
+        except (aiohttp.ClientError, TimeoutError, OSError):
+            return False
+
+    async def check_ejected(self) -> None:
+        """Re-admit ejected workers whose backoff passed and whose /health answers 200."""
+        now = time.monotonic()
+        due = [
+            w
+            for w in list(self._workers.values())
+            if w.state is WorkerState.EJECTED and now - w.ejected_at >= self.eject_backoff(w)
+        ]
+        results = await asyncio.gather(*(self._probe(w) for w in due))
+        readmitted = False
+        for worker, healthy in zip(due, results, strict=True):
+            if healthy and worker.state is WorkerState.EJECTED and not worker.removed:
+                worker.state = WorkerState.HEALTHY
+                worker.consecutive_failures = 0
+                readmitted = True
+                log.info("%s worker re-admitted: %s", self.name, worker.url)
+            elif not healthy:
+                worker.ejected_at = time.monotonic()  # next probe after the same backoff
+        if readmitted:
+            self._changed()
+
+    async def poll_load(self) -> None:
+        """Refresh KV usage and waiting queue from each healthy worker's /metrics."""
+
+        async def one(worker: Worker) -> None:
+            try:
+                timeout = aiohttp.ClientTimeout(total=max(1.0, self._poll_interval))
+                async with worker.session.get(worker.url + "/metrics", timeout=timeout) as response:
+                    if response.status != 200:
+                        return
+                    worker.kv_usage, worker.waiting = parse_engine_load(await response.text())
+            except (aiohttp.ClientError, TimeoutError, OSError):
+                worker.kv_usage = worker.waiting = None
+
+        await asyncio.gather(*(one(w) for w in self._routable))
+
+    async def run_background(self) -> None:
+        """Health probes (and load polls for kv-aware routing) until cancelled."""
+        poll = isinstance(self.policy, KvAware)
+        next_poll = 0.0
+        while True:
+            try:
+                await self.check_ejected()
+                if poll and time.monotonic() >= next_poll:
+                    next_poll = time.monotonic() + self._poll_interval
+                    await self.poll_load()
+            except Exception:  # a background loop must survive anything one probe does
+                log.exception("%s pool background check failed", self.name)
+            await asyncio.sleep(min(self._health_interval, self._poll_interval) if poll else self._health_interval)
+
+    async def close(self) -> None:
+        for worker in self._workers.values():
+            await worker.session.close()
+        self._workers.clear()
+        for task in list(self._tasks):
+            await task
