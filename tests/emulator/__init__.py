@@ -1,0 +1,1 @@
+"""A Kubernetes API emulator (built on kmock) for integration tests; see README.md in this folder."""
