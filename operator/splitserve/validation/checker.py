@@ -89,7 +89,9 @@ def with_defaults(obj: Mapping[str, Any]) -> dict[str, Any]:
     return defaulted
 
 
-def _rules_at(schema: Mapping[str, Any], value: Any, old: Any, path: list[Any]) -> Iterator[tuple[dict[str, str], Any, Any, list[Any]]]:
+def _rules_at(
+    schema: Mapping[str, Any], value: Any, old: Any, path: list[Any]
+) -> Iterator[tuple[dict[str, str], Any, Any, list[Any]]]:
     """Walk schema and value together, yielding each CEL rule with the value it guards."""
     for rule in schema.get("x-kubernetes-validations", []):
         yield rule, value, old, path

@@ -5,20 +5,23 @@ from __future__ import annotations
 import argparse
 import sys
 
+from splitserve.cliutil import UserError, read_input
 from splitserve.validation.checker import validate_text
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("-f", "--filename", action="append", required=True, help="YAML file ('-' for stdin); repeatable")
+    parser.add_argument(
+        "-f", "--filename", action="append", required=True, help="YAML file ('-' for stdin); repeatable"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     failed = False
     for filename in args.filename:
         try:
-            text = sys.stdin.read() if filename == "-" else open(filename, encoding="utf-8").read()
-        except OSError as error:
-            print(f"{filename}: cannot read: {error.strerror}", file=sys.stderr)
+            text = read_input(filename)
+        except UserError as error:
+            print(error, file=sys.stderr)
             failed = True
             continue
         problems = validate_text(text)

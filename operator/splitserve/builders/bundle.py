@@ -1,0 +1,31 @@
+"""Every child object of one InferenceDeployment, in apply order."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.builders.monitoring import build_monitors
+from splitserve.builders.naming import Target, worker_roles
+from splitserve.builders.policies import build_network_policy, build_pdbs
+from splitserve.builders.router import build_router_deployment, build_router_rbac, build_router_service
+from splitserve.builders.services import build_worker_services
+from splitserve.builders.workers import build_worker_deployment
+
+
+def build_children(target: Target) -> list[dict[str, Any]]:
+    """The desired children. Order matters for a first apply: RBAC and Services before pods."""
+    return [
+        *build_router_rbac(target),
+        *build_worker_services(target),
+        build_router_service(target),
+        *(build_worker_deployment(target, role) for role in worker_roles(target.spec)),
+        build_router_deployment(target),
+        *build_pdbs(target),
+        build_network_policy(target),
+        *build_monitors(target),
+    ]
+
+
+def child_key(obj: dict[str, Any]) -> tuple[str, str, str]:
+    """Identity of a child for diffing desired against observed: (apiVersion, kind, name)."""
+    return obj["apiVersion"], obj["kind"], obj["metadata"]["name"]

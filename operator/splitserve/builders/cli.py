@@ -1,0 +1,39 @@
+"""`splitserve render -f FILE`: every manifest the operator would apply, as multi-document YAML."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import yaml
+
+from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.builders.bundle import build_children
+from splitserve.builders.naming import Owner, Target
+from splitserve.cliutil import UserError, read_input
+from splitserve.validation import load_documents, validate_text
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("-f", "--filename", required=True, help="InferenceDeployment YAML ('-' for stdin)")
+    parser.add_argument("-n", "--namespace", default=None, help="namespace when the file does not set one")
+
+
+def run(args: argparse.Namespace) -> int:
+    try:
+        text = read_input(args.filename)
+    except UserError as error:
+        print(error, file=sys.stderr)
+        return 1
+    problems = validate_text(text)
+    if problems:
+        for problem in problems:
+            print(f"{args.filename}: {problem}", file=sys.stderr)
+        return 1
+    manifests = []
+    for doc in load_documents(text):
+        namespace = doc["metadata"].get("namespace") or args.namespace or "default"
+        target = Target(Owner(doc["metadata"]["name"], namespace), InferenceDeploymentSpec.model_validate(doc["spec"]))
+        manifests.extend(build_children(target))
+    sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False, width=120))
+    return 0

@@ -1,0 +1,60 @@
+"""prometheus-operator objects: a ServiceMonitor for the router, a PodMonitor for the workers.
+
+Relabelling copies the pods' splitserve labels into `deployment` and `role`, the labels the
+autoscaler's and the diagnosis' PromQL select on.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.builders.naming import (
+    LABEL_DEPLOYMENT,
+    LABEL_ROLE,
+    ROUTER_ROLE,
+    WORKER_HTTP_PORT_NAME,
+    Target,
+    metadata,
+    router_name,
+)
+
+
+def _relabelings() -> list[dict[str, Any]]:
+    def copy(label: str, target: str) -> dict[str, Any]:
+        source = "__meta_kubernetes_pod_label_" + label.replace(".", "_").replace("/", "_").replace("-", "_")
+        return {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
+
+    return [copy(LABEL_DEPLOYMENT, "deployment"), copy(LABEL_ROLE, "role")]
+
+
+def build_monitors(target: Target) -> list[dict[str, Any]]:
+    monitoring = target.spec.monitoring
+    if not monitoring.enabled:
+        return []
+    name = target.owner.name
+    interval = f"{monitoring.interval_seconds}s"
+    extra = dict(monitoring.labels)
+    service_monitor = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "ServiceMonitor",
+        "metadata": metadata(target, router_name(name), ROUTER_ROLE, **extra),
+        "spec": {
+            "selector": {"matchLabels": {LABEL_DEPLOYMENT: name, "app.kubernetes.io/component": ROUTER_ROLE}},
+            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval, "relabelings": _relabelings()}],
+        },
+    }
+    pod_monitor = {
+        "apiVersion": "monitoring.coreos.com/v1",
+        "kind": "PodMonitor",
+        "metadata": metadata(target, f"{name}-workers", "workers", **extra),
+        "spec": {
+            "selector": {
+                "matchLabels": {LABEL_DEPLOYMENT: name},
+                "matchExpressions": [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ROUTER_ROLE]}],
+            },
+            "podMetricsEndpoints": [
+                {"port": WORKER_HTTP_PORT_NAME, "path": "/metrics", "interval": interval, "relabelings": _relabelings()}
+            ],
+        },
+    }
+    return [service_monitor, pod_monitor]

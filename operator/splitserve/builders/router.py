@@ -1,0 +1,148 @@
+"""The KV-transfer router: Deployment, its Service (the OpenAI endpoint) and least-privilege RBAC."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.api.spec import InferenceDeploymentSpec, Mode
+from splitserve.builders.naming import (
+    ROUTER_ROLE,
+    Target,
+    decode_service_name,
+    metadata,
+    pod_labels,
+    prefill_service_name,
+    router_name,
+    selector_labels,
+)
+
+ROUTER_CONTAINER_PORT = 8000
+
+
+def router_args(target: Target) -> list[str]:
+    """The `splitserve router` command line; discovery watches the pools' EndpointSlices."""
+    spec: InferenceDeploymentSpec = target.spec
+    router = spec.router
+    timeouts = router.timeouts
+    args = [
+        "router",
+        "--host=0.0.0.0",
+        f"--port={ROUTER_CONTAINER_PORT}",
+        f"--model={spec.model.name}",
+        "--discovery=kubernetes",
+        f"--namespace={target.owner.namespace}",
+        *([f"--prefill-service={prefill_service_name(target.owner.name)}"] if spec.mode == Mode.DISAGGREGATED else []),
+        f"--decode-service={decode_service_name(target.owner.name)}",
+        f"--worker-port={spec.engine.port}",
+        f"--prefill-policy={router.routing_policy.prefill}",
+        f"--decode-policy={router.routing_policy.decode}",
+        f"--queue-limit={router.admission_queue_limit}",
+        f"--queue-timeout={timeouts.queue_seconds:g}",
+        f"--connect-timeout={timeouts.connect_seconds:g}",
+        f"--prefill-timeout={timeouts.prefill_seconds:g}",
+        f"--decode-timeout={timeouts.first_token_seconds:g}",
+        f"--request-timeout={timeouts.request_seconds:g}",
+        f"--disagg-threshold-tokens={router.disaggregation_threshold_tokens}",
+    ]
+    return args
+
+
+def build_router_deployment(target: Target) -> dict[str, Any]:
+    spec = target.spec
+    name = target.owner.name
+    probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
+    container = {
+        "name": "router",
+        "image": spec.router.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["splitserve"],
+        "args": router_args(target),
+        "ports": [{"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"}],
+        "resources": {
+            "requests": {"cpu": str(spec.router.cpu), "memory": str(spec.router.memory)},
+            "limits": {"memory": str(spec.router.memory)},
+        },
+        # Readiness is /health, not /ready: with decode scaled to zero the router must still take
+        # requests into its queue (that queue is what scales decode back up).
+        "readinessProbe": probe,
+        "livenessProbe": probe | {"failureThreshold": 6},
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": 65532,
+            "readOnlyRootFilesystem": True,
+            "allowPrivilegeEscalation": False,
+            "capabilities": {"drop": ["ALL"]},
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+    }
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name, ROUTER_ROLE)},
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {
+            "metadata": {"labels": pod_labels(name, ROUTER_ROLE)},
+            "spec": {
+                "serviceAccountName": router_name(name),
+                "containers": [container],
+                # Long enough for in-flight streams to finish after SIGTERM (the router drains).
+                "terminationGracePeriodSeconds": int(spec.router.timeouts.request_seconds) + 10,
+                "enableServiceLinks": False,
+            },
+        },
+    }
+    replicas = target.replicas.get(ROUTER_ROLE, spec.router.replicas)
+    if replicas is not None:
+        deployment_spec["replicas"] = replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(target, router_name(name), ROUTER_ROLE, **selector_labels(name, ROUTER_ROLE)),
+        "spec": deployment_spec,
+    }
+
+
+def build_router_service(target: Target) -> dict[str, Any]:
+    name = target.owner.name
+    return {
+        "apiVersion": "v1",
+        "kind": "Service",
+        "metadata": metadata(target, router_name(name), ROUTER_ROLE),
+        "spec": {
+            "type": target.spec.router.service_type,
+            "selector": selector_labels(name, ROUTER_ROLE),
+            "ports": [
+                {"name": "http", "port": target.spec.router.port, "targetPort": "http", "protocol": "TCP"},
+            ],
+        },
+    }
+
+
+def build_router_rbac(target: Target) -> list[dict[str, Any]]:
+    """ServiceAccount, Role and RoleBinding: the router only reads EndpointSlices and pods."""
+    name = router_name(target.owner.name)
+    return [
+        {
+            "apiVersion": "v1",
+            "kind": "ServiceAccount",
+            "metadata": metadata(target, name, ROUTER_ROLE),
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "Role",
+            "metadata": metadata(target, name, ROUTER_ROLE),
+            "rules": [
+                {
+                    "apiGroups": ["discovery.k8s.io"],
+                    "resources": ["endpointslices"],
+                    "verbs": ["get", "list", "watch"],
+                },
+                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
+            ],
+        },
+        {
+            "apiVersion": "rbac.authorization.k8s.io/v1",
+            "kind": "RoleBinding",
+            "metadata": metadata(target, name, ROUTER_ROLE),
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
+            "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": target.owner.namespace}],
+        },
+    ]

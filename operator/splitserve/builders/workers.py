@@ -1,0 +1,148 @@
+"""Worker pool Deployments (prefill, decode, or one aggregated pool).
+
+Each pool's pod template depends only on the spec fields that affect that pool, so a change
+to, say, the decode pool's extraArgs rolls decode pods and nothing else.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
+from splitserve.builders.naming import (
+    KV_SIDE_CHANNEL_PORT_NAME,
+    WORKER_HTTP_PORT_NAME,
+    Target,
+    metadata,
+    pod_labels,
+    pool_name,
+    selector_labels,
+)
+from splitserve.builders.vllm_args import MODEL_MOUNT_PATH, build_engine_launch, role_pool
+
+HF_CACHE_PATH = "/var/cache/huggingface"
+# Time for the router's EndpointSlice watch to see a terminating pod before the engine stops
+# taking requests: the router stops routing to it first, then in-flight requests finish.
+PRESTOP_SLEEP_SECONDS = 10
+
+
+def _uses_kv_transfer(spec: InferenceDeploymentSpec, role: Role) -> bool:
+    return role != Role.AGGREGATED and spec.kv_transfer.connector != Connector.NONE
+
+
+def _env(spec: InferenceDeploymentSpec, role: Role, engine_env: dict[str, str]) -> list[dict[str, Any]]:
+    env: list[dict[str, Any]] = [
+        {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
+        {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
+        {"name": "HF_HOME", "value": HF_CACHE_PATH},
+    ]
+    env += [{"name": name, "value": value} for name, value in sorted(engine_env.items())]
+    source = spec.model.source
+    if source.hugging_face and source.hugging_face.token_secret_ref:
+        ref = source.hugging_face.token_secret_ref
+        env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
+    for var in spec.engine.env:
+        if var.value_from is not None:
+            env.append({"name": var.name, "valueFrom": var.value_from})
+    return env
+
+
+def _resources(pool: PoolSpec) -> dict[str, Any]:
+    res = pool.resources
+    requests: dict[str, Any] = {"cpu": str(res.cpu), "memory": str(res.memory)}
+    limits: dict[str, Any] = {"memory": str(res.memory)}
+    if res.gpus > 0:
+        requests[res.gpu_resource_name] = str(res.gpus)
+        limits[res.gpu_resource_name] = str(res.gpus)
+    return {"requests": requests, "limits": limits}
+
+
+def _volumes(spec: InferenceDeploymentSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    volumes: list[dict[str, Any]] = [
+        {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(pool.resources.shared_memory)}},
+        {"name": "hf-cache", "emptyDir": {}},
+    ]
+    mounts: list[dict[str, Any]] = [
+        {"name": "dshm", "mountPath": "/dev/shm"},
+        {"name": "hf-cache", "mountPath": HF_CACHE_PATH},
+    ]
+    if spec.model.source.pvc is not None:
+        volumes.append(
+            {
+                "name": "model",
+                "persistentVolumeClaim": {"claimName": spec.model.source.pvc.claim_name, "readOnly": True},
+            }
+        )
+        mounts.append({"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True})
+    return volumes, mounts
+
+
+def _probe(path: str, port_name: str, period: int, failures: int) -> dict[str, Any]:
+    return {
+        "httpGet": {"path": path, "port": port_name},
+        "periodSeconds": period,
+        "timeoutSeconds": 5,
+        "failureThreshold": failures,
+    }
+
+
+def _container(spec: InferenceDeploymentSpec, role: Role) -> dict[str, Any]:
+    pool = role_pool(spec, role)
+    launch = build_engine_launch(spec, role)
+    volumes_mounts = _volumes(spec, pool)[1]
+    ports = [{"name": WORKER_HTTP_PORT_NAME, "containerPort": spec.engine.port, "protocol": "TCP"}]
+    if _uses_kv_transfer(spec, role) and spec.kv_transfer.connector == Connector.NIXL:
+        ports.append(
+            {"name": KV_SIDE_CHANNEL_PORT_NAME, "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"}
+        )
+    return {
+        "name": "engine",
+        "image": spec.engine.image,
+        "imagePullPolicy": spec.engine.image_pull_policy,
+        "command": ["splitserve", "worker"],
+        "args": ["--role", str(role), "--", *launch.args],
+        "env": _env(spec, role, launch.env),
+        "ports": ports,
+        "resources": _resources(pool),
+        "volumeMounts": volumes_mounts,
+        # Loading weights can take many minutes: the startup probe allows 30 min before liveness applies.
+        "startupProbe": _probe("/health", WORKER_HTTP_PORT_NAME, 10, 180),
+        "readinessProbe": _probe("/health", WORKER_HTTP_PORT_NAME, 5, 3),
+        "livenessProbe": _probe("/health", WORKER_HTTP_PORT_NAME, 10, 6),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_SECONDS}}},
+        "securityContext": {"allowPrivilegeEscalation": False},
+    }
+
+
+def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
+    spec = target.spec
+    name = target.owner.name
+    pool = role_pool(spec, role)
+    volumes = _volumes(spec, pool)[0]
+    pod_spec: dict[str, Any] = {
+        "containers": [_container(spec, role)],
+        "volumes": volumes,
+        "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
+        "enableServiceLinks": False,
+    }
+    if pool.node_selector:
+        pod_spec["nodeSelector"] = dict(pool.node_selector)
+    if pool.tolerations:
+        pod_spec["tolerations"] = list(pool.tolerations)
+    if pool.affinity:
+        pod_spec["affinity"] = dict(pool.affinity)
+    deployment_spec: dict[str, Any] = {
+        "selector": {"matchLabels": selector_labels(name, role)},
+        # Surge, never remove first: an engine takes minutes to load, capacity must not dip.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
+        "template": {"metadata": {"labels": pod_labels(name, role)}, "spec": pod_spec},
+    }
+    replicas = target.replicas.get(str(role), pool.replicas)
+    if replicas is not None:
+        deployment_spec["replicas"] = replicas
+    return {
+        "apiVersion": "apps/v1",
+        "kind": "Deployment",
+        "metadata": metadata(target, pool_name(name, role), str(role), **selector_labels(name, role)),
+        "spec": deployment_spec,
+    }

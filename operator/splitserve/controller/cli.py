@@ -1,0 +1,49 @@
+"""`splitserve operator`: run the kopf operator."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import logging
+import random
+
+from splitserve.api.base import API_GROUP
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    scope = parser.add_mutually_exclusive_group()
+    scope.add_argument("-n", "--namespace", action="append", default=[], help="namespace to watch (repeatable)")
+    scope.add_argument("-A", "--all-namespaces", action="store_true", help="watch every namespace (default)")
+    peering = parser.add_mutually_exclusive_group()
+    peering.add_argument("--peering", default=None, help="kopf peering name: replicas elect one active operator")
+    peering.add_argument("--standalone", action="store_true", help="no peering (a single replica)")
+    parser.add_argument(
+        "--priority", type=int, default=None, help="peering priority (default: random, so exactly one replica wins)"
+    )
+    parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--verbose", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    import kopf  # imported here: `splitserve crd` and friends should not pay for it
+
+    import splitserve.controller.handlers  # noqa: F401  (registers the handlers)
+
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    # Replicas with the same priority would all pause (kopf treats them as conflicting).
+    priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
+    with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
+        kopf.run(
+            standalone=args.standalone or args.peering is None,
+            peering_name=args.peering,
+            priority=priority,
+            clusterwide=not args.namespace,
+            namespaces=args.namespace,
+            liveness_endpoint=args.liveness,
+        )
+    logging.getLogger(API_GROUP).info("operator stopped")
+    return 0

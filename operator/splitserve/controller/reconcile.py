@@ -1,0 +1,225 @@
+"""Level-based reconcile of one InferenceDeployment: desired children applied, strays pruned,
+status rolled up. Called by the kopf handlers for create/update/resume, by child events and by
+a drift timer; it is idempotent, so it does not matter which of them runs it or how often.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime
+import logging
+from collections.abc import Awaitable, Callable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from pydantic import ValidationError
+
+from splitserve.api.spec import InferenceDeploymentSpec, Mode
+from splitserve.api.status import InferenceDeploymentStatus
+from splitserve.builders.bundle import build_children, child_key
+from splitserve.builders.naming import (
+    LABEL_DEPLOYMENT,
+    ROUTER_ROLE,
+    Owner,
+    Target,
+    pool_name,
+    router_endpoint,
+    router_name,
+    worker_roles,
+)
+from splitserve.builders.vllm_args import role_pool
+from splitserve.controller.drift import contains
+from splitserve.controller.kube import KubeClient, KubeError
+from splitserve.controller.rollup import PoolObservation, Problem, roll_up
+from splitserve.validation import validate_object
+
+log = logging.getLogger("splitserve.reconcile")
+
+IDEP = ("splitserve.io/v1alpha1", "InferenceDeployment")
+# Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend):
+# these are listed and pruned; the others always exist with a fixed name.
+PRUNABLE_KINDS: list[tuple[str, str]] = [
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+]
+
+# Event poster: (owner body, type Normal|Warning, CamelCase reason, message).
+EventSink = Callable[[Mapping[str, Any], str, str, str], Awaitable[None] | None]
+
+
+class RetryLater(Exception):
+    """The spec cannot be realised yet (missing Secret/PVC, API error): retry after `delay`."""
+
+    def __init__(self, message: str, delay: float) -> None:
+        super().__init__(message)
+        self.delay = delay
+
+
+def utc_now() -> str:
+    return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+@dataclass
+class Reconciler:
+    kube: KubeClient
+    post_event: EventSink
+    # One lock per InferenceDeployment: handlers, child events and timers never interleave on one object.
+    _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+
+    def _lock(self, namespace: str, name: str) -> asyncio.Lock:
+        return self._locks.setdefault((namespace, name), asyncio.Lock())
+
+    async def _event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+        result = self.post_event(body, kind, reason, message)
+        if result is not None:
+            await result
+
+    # ------------------------------------------------------------------ entry points
+
+    async def reconcile(self, body: Mapping[str, Any], *, prune: bool = True) -> None:
+        meta = body["metadata"]
+        async with self._lock(meta["namespace"], meta["name"]):
+            await self._reconcile_locked(body, prune=prune)
+
+    async def reconcile_by_name(self, namespace: str, name: str, *, prune: bool = False) -> None:
+        """For child events and timers: read the owner fresh, then reconcile it."""
+        body = await self.kube.get(*IDEP, namespace, name)
+        if body is None or body["metadata"].get("deletionTimestamp"):
+            return  # deleted: garbage collection removes the children
+        await self.reconcile(body, prune=prune)
+
+    # ------------------------------------------------------------------ the reconcile
+
+    async def _reconcile_locked(self, body: Mapping[str, Any], *, prune: bool) -> None:
+        meta = body["metadata"]
+        owner = Owner(meta["name"], meta["namespace"], meta["uid"])
+        problems = validate_object(dict(body))
+        if problems:
+            message = "; ".join(f"{p.path}: {p.message}" for p in problems)
+            await self._write_status(body, None, Problem("InvalidSpec", message))
+            await self._event(body, "Warning", "InvalidSpec", message)
+            return  # nothing to retry: the next spec change triggers a new reconcile
+        try:
+            spec = InferenceDeploymentSpec.model_validate(body["spec"])
+        except ValidationError as error:  # the schema passed, so this is our bug; still, do not crash-loop
+            await self._write_status(body, None, Problem("InvalidSpec", str(error)))
+            return
+
+        missing = await self._missing_prerequisites(spec, owner.namespace)
+        if missing is not None:
+            await self._write_status(body, spec, missing)
+            await self._event(body, "Warning", missing.reason, missing.message)
+            raise RetryLater(missing.message, delay=10)
+
+        target = Target(owner, spec, await self._replica_ownership(spec, owner))
+        desired = build_children(target)
+        failures: list[str] = []
+        for child in desired:
+            try:
+                meta = child["metadata"]
+                observed = await self.kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+                if observed is not None and contains(observed, child):
+                    continue
+                _, created = await self.kube.apply(child)
+            except KubeError as error:
+                if error.kind_not_installed:
+                    failures.append(f"{child['kind']} is not installed in this cluster ({error.message})")
+                else:
+                    failures.append(f"{child['kind']}/{child['metadata']['name']}: {error}")
+                continue
+            if created:
+                await self._event(body, "Normal", "Created", f"created {child['kind']} {child['metadata']['name']}")
+        if prune:
+            await self._prune(owner, {child_key(child) for child in desired})
+        problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
+        await self._write_status(body, spec, problem)
+        if failures:
+            await self._event(body, "Warning", "ApplyFailed", problem.message if problem else "")
+            raise RetryLater(problem.message if problem else "", delay=30)
+
+    async def _missing_prerequisites(self, spec: InferenceDeploymentSpec, namespace: str) -> Problem | None:
+        source = spec.model.source
+        if source.hugging_face and source.hugging_face.token_secret_ref:
+            ref = source.hugging_face.token_secret_ref
+            secret = await self.kube.get("v1", "Secret", namespace, ref.name)
+            if secret is None:
+                return Problem(
+                    "MissingSecret", f"Secret {ref.name} (model.source.huggingFace.tokenSecretRef) not found"
+                )
+            if ref.key not in (secret.get("data") or {}) and ref.key not in (secret.get("stringData") or {}):
+                return Problem("MissingSecretKey", f"Secret {ref.name} has no key {ref.key!r}")
+        if source.pvc is not None:
+            claim = await self.kube.get("v1", "PersistentVolumeClaim", namespace, source.pvc.claim_name)
+            if claim is None:
+                return Problem(
+                    "MissingVolumeClaim", f"PersistentVolumeClaim {source.pvc.claim_name} (model.source.pvc) not found"
+                )
+        return None
+
+    async def _replica_ownership(self, spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, int | None]:
+        """Which pools' replica counts this apply writes.
+
+        With autoscaling on, the autoscaler (or KEDA/HPA) owns spec.replicas: the operator writes
+        the spec's count only when it creates the Deployment, and leaves the field out afterwards,
+        so server-side apply keeps the other manager's value instead of fighting it.
+        """
+        if not spec.autoscaling.enabled:
+            return {}
+        ownership: dict[str, int | None] = {}
+        for role in worker_roles(spec):
+            existing = await self.kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
+            ownership[str(role)] = None if existing is not None else role_pool(spec, role).replicas
+        return ownership
+
+    async def _prune(self, owner: Owner, desired: set[tuple[str, str, str]]) -> None:
+        for api_version, kind in PRUNABLE_KINDS:
+            try:
+                observed = await self.kube.list(api_version, kind, owner.namespace, f"{LABEL_DEPLOYMENT}={owner.name}")
+            except KubeError as error:
+                if error.kind_not_installed:
+                    continue
+                raise
+            for obj in observed:
+                refs = obj["metadata"].get("ownerReferences", [])
+                ours = any(ref.get("uid") == owner.uid for ref in refs)
+                if ours and child_key(obj) not in desired:
+                    await self.kube.delete(api_version, kind, owner.namespace, obj["metadata"]["name"])
+
+    async def _write_status(
+        self, body: Mapping[str, Any], spec: InferenceDeploymentSpec | None, problem: Problem | None
+    ) -> None:
+        meta = body["metadata"]
+        namespace, name = meta["namespace"], meta["name"]
+        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        observations: dict[str, PoolObservation | None] = {}
+        for component in ("prefill", "decode", "aggregated", ROUTER_ROLE):
+            deployment_name = router_name(name) if component == ROUTER_ROLE else pool_name(name, component)
+            observations[component] = PoolObservation.from_deployment(
+                await self.kube.get("apps/v1", "Deployment", namespace, deployment_name)
+            )
+        mode = spec.mode if spec is not None else _declared_mode(body)
+        status = roll_up(
+            mode=mode,
+            generation=int(meta.get("generation", 0)),
+            previous=previous,
+            prefill=observations["prefill"],
+            decode=observations["aggregated"] if mode == Mode.AGGREGATED else observations["decode"],
+            router=observations[ROUTER_ROLE],
+            endpoint=router_endpoint(Owner(name, namespace), spec.router.port) if spec else previous.endpoint,
+            problem=problem,
+            now=utc_now(),
+        )
+        new = status.model_dump(by_alias=True, mode="json", exclude_none=True)
+        if new != previous.model_dump(by_alias=True, mode="json", exclude_none=True):
+            await self.kube.patch_status(*IDEP, namespace, name, new)
+
+
+def _declared_mode(body: Mapping[str, Any]) -> Mode:
+    """The mode an invalid spec asks for, so its status still reports the right pools."""
+    declared = (body.get("spec") or {}).get("mode")
+    return Mode.AGGREGATED if declared == Mode.AGGREGATED.value else Mode.DISAGGREGATED

@@ -1,0 +1,159 @@
+"""Pure status roll-up: observed child Deployments in, InferenceDeployment status out.
+
+Per-part conditions (PrefillReady, DecodeReady, RouterReady) roll into Ready the way KServe
+does it; Progressing and Degraded follow Kubernetes API conventions. lastTransitionTime moves
+only when a condition's status changes, so watchers (Argo CD, `kubectl wait`) see real edges.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.api.spec import Mode
+from splitserve.api.status import Condition, ConditionStatus, ConditionType, InferenceDeploymentStatus, PoolStatus
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the spec cannot be realised right now (sets Degraded=True)."""
+
+    reason: str  # CamelCase, e.g. MissingSecret
+    message: str
+
+
+@dataclass(frozen=True)
+class PoolObservation:
+    desired: int
+    replicas: int
+    ready: int
+    updated: int
+    up_to_date: bool  # the Deployment controller has seen the latest template
+
+    @classmethod
+    def from_deployment(cls, deployment: Mapping[str, Any] | None) -> PoolObservation | None:
+        if deployment is None:
+            return None
+        spec, status = deployment.get("spec", {}), deployment.get("status", {})
+        generation = deployment.get("metadata", {}).get("generation", 0)
+        return cls(
+            desired=int(spec.get("replicas", 1)),
+            replicas=int(status.get("replicas", 0)),
+            ready=int(status.get("readyReplicas", 0)),
+            updated=int(status.get("updatedReplicas", 0)),
+            up_to_date=int(status.get("observedGeneration", 0)) >= int(generation),
+        )
+
+    @property
+    def rolling(self) -> bool:
+        return not self.up_to_date or self.updated < self.desired or self.replicas > self.desired
+
+    def to_status(self) -> PoolStatus:
+        return PoolStatus(
+            replicas=self.replicas,
+            ready_replicas=self.ready,
+            desired_replicas=self.desired,
+            summary=f"{self.ready}/{self.desired}",
+        )
+
+
+# (type, status, reason, message) of one condition before it gets its timestamps.
+ConditionValue = tuple[ConditionType, ConditionStatus, str, str]
+
+
+def _pool_condition(kind: ConditionType, label: str, pool: PoolObservation | None) -> ConditionValue:
+    if pool is None:
+        return kind, "False", "NotCreated", f"the {label} Deployment does not exist yet"
+    counts = f"{pool.ready}/{pool.desired} {label} replicas ready"
+    if pool.desired == 0:
+        return kind, "True", "ScaledToZero", f"{label} is scaled to zero; the router holds requests until it scales up"
+    if pool.ready == 0:
+        return kind, "False", "NoReplicasReady", counts
+    if pool.ready < pool.desired:
+        return kind, "True", "MinimumReplicasReady", counts
+    return kind, "True", "AllReplicasReady", counts
+
+
+def merge_condition(existing: Sequence[Condition], new: Condition) -> list[Condition]:
+    """Replace the condition of the same type, keeping lastTransitionTime if status is unchanged."""
+    result = []
+    for condition in existing:
+        if condition.type == new.type:
+            if condition.status == new.status:
+                new = new.model_copy(update={"last_transition_time": condition.last_transition_time})
+            continue
+        result.append(condition)
+    result.append(new)
+    order = {str(kind): index for index, kind in enumerate(ConditionType)}
+    return sorted(result, key=lambda c: order.get(c.type, len(order)))
+
+
+def roll_up(
+    *,
+    mode: Mode,
+    generation: int,
+    previous: InferenceDeploymentStatus,
+    prefill: PoolObservation | None,
+    decode: PoolObservation | None,
+    router: PoolObservation | None,
+    endpoint: str,
+    problem: Problem | None,
+    now: str,
+) -> InferenceDeploymentStatus:
+    aggregated = mode == Mode.AGGREGATED
+    parts: list[ConditionValue] = [
+        (
+            (ConditionType.PREFILL_READY, "True", "NotUsed", "aggregated mode has no prefill pool")
+            if aggregated
+            else _pool_condition(ConditionType.PREFILL_READY, "prefill", prefill)
+        ),
+        _pool_condition(ConditionType.DECODE_READY, "aggregated" if aggregated else "decode", decode),
+        _pool_condition(ConditionType.ROUTER_READY, "router", router),
+    ]
+    failing = [kind for kind, status, _, _ in parts if status != "True"]
+    ready: ConditionValue
+    if problem is not None:
+        ready = (ConditionType.READY, "False", problem.reason, problem.message)
+    elif failing:
+        messages = "; ".join(f"{kind}: {message}" for kind, status, _, message in parts if status != "True")
+        ready = (ConditionType.READY, "False", f"{failing[0].removesuffix('Ready')}NotReady", messages)
+    else:
+        ready = (ConditionType.READY, "True", "AllComponentsReady", "prefill, decode and router are serving")
+    rolling = [pool for pool in (prefill, decode, router) if pool is not None and pool.rolling]
+    progressing: ConditionValue = (
+        (ConditionType.PROGRESSING, "True", "RollingOut", "replicas are being created or updated")
+        if rolling or failing
+        else (ConditionType.PROGRESSING, "False", "Stable", "every pool matches the spec")
+    )
+    degraded: ConditionValue = (
+        (ConditionType.DEGRADED, "True", problem.reason, problem.message)
+        if problem is not None
+        else (ConditionType.DEGRADED, "False", "AsExpected", "the spec is realised")
+    )
+    conditions = list(previous.conditions)
+    for kind, status, reason, message in [ready, *parts, progressing, degraded]:
+        conditions = merge_condition(
+            conditions,
+            Condition(
+                type=str(kind),
+                status=status,
+                reason=reason,
+                message=message,
+                last_transition_time=now,
+                observed_generation=generation,
+            ),
+        )
+    empty = PoolStatus()
+    return previous.model_copy(
+        update={
+            "observed_generation": generation,
+            "conditions": conditions,
+            "prefill": prefill.to_status() if prefill and not aggregated else empty,
+            "decode": decode.to_status() if decode else empty,
+            "router": router.to_status() if router else empty,
+            "endpoint": endpoint,
+            "ready": ready[1],
+            "mode": str(mode),
+        }
+    )
