@@ -38,3 +38,13 @@ def sample(metrics_text: str, name: str, **labels: str) -> float:
     ]
     assert len(found) == 1, f"{name}{labels}: {found}"
     return float(found[0])
+
+
+def plain_values(metrics_text: str) -> dict[str, float]:
+    """Sample name -> value for samples with only the default labels (one parse for many reads)."""
+    return {
+        s.name: float(s.value)
+        for family in text_string_to_metric_families(metrics_text)
+        for s in family.samples
+        if set(s.labels) == {"model_name", "engine"}
+    }
