@@ -1,0 +1,155 @@
+"""Collect the numbers the diagnosis needs from Prometheus, each with the query that produced it.
+
+This is the only I/O in the diagnosis besides reading files. Every query is an instant query over a
+rate window (`[5m]` by default); histograms are read as p90 via `histogram_quantile`, the output-length
+histogram as its raw buckets so the (pure) questions can compute a coefficient of variation.
+
+Which series belong to the deployment: vLLM labels every engine metric with `model_name` (the
+served name, `spec.model.name`), so engine queries match on that plus the namespace when known;
+router metrics carry no model label and are matched on the namespace (override both with the CLI's
+--engine-selector / --router-selector).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from splitserve.api.spec import InferenceDeploymentSpec
+
+
+class QuerySource(Protocol):
+    """What the diagnosis needs from a Prometheus client (splitserve.autoscaling.prometheus)."""
+
+    async def query_scalar(self, promql: str) -> float | None: ...
+
+    async def query_vector(self, promql: str) -> Mapping[frozenset[tuple[str, str]], float]: ...
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One number and where it came from; value None means Prometheus had no data for it."""
+
+    value: float | None
+    query: str
+
+    @property
+    def known(self) -> bool:
+        return self.value is not None
+
+    def evidence(self, label: str, fmt: str = "{:.3g}") -> str:
+        shown = "no data" if self.value is None else fmt.format(self.value)
+        return f"{label} {shown} (prometheus: {self.query})"
+
+
+NO_DATA = Reading(None, "")
+
+
+@dataclass(frozen=True)
+class Telemetry:
+    window: str = "5m"
+    prefix_hits_rate: Reading = NO_DATA  # cached prompt tokens / s
+    prefix_queries_rate: Reading = NO_DATA  # prompt tokens looked up in the prefix cache / s
+    output_tokens_sum_rate: Reading = NO_DATA
+    output_tokens_count_rate: Reading = NO_DATA
+    # Cumulative buckets of the router's output-length histogram: (upper bound, rate); +Inf last.
+    output_tokens_buckets: tuple[tuple[float, float], ...] = ()
+    output_tokens_buckets_query: str = ""
+    preemptions_rate: Reading = NO_DATA
+    kv_usage_max: Reading = NO_DATA  # busiest worker's average over the window
+    waiting_for_capacity: Reading = NO_DATA  # window average, summed over workers
+    itl_p90: Reading = NO_DATA
+    running_per_replica: Reading = NO_DATA  # batch size: busiest worker's average over the window
+    ttft_p90: Reading = NO_DATA
+    prefill_time_p90: Reading = NO_DATA
+    request_rate: Reading = NO_DATA
+    prompt_tokens_rate: Reading = NO_DATA
+    generation_tokens_rate: Reading = NO_DATA
+    notes: tuple[str, ...] = field(default_factory=tuple)
+
+
+@dataclass(frozen=True)
+class TelemetryScope:
+    engine_selector: str
+    router_selector: str
+    window: str = "5m"
+
+
+def default_scope(spec: InferenceDeploymentSpec, namespace: str | None, window: str = "5m") -> TelemetryScope:
+    engine = [f'model_name="{spec.model.name}"']
+    router: list[str] = []
+    if namespace:
+        engine.append(f'namespace="{namespace}"')
+        router.append(f'namespace="{namespace}"')
+    return TelemetryScope(",".join(engine), ",".join(router), window)
+
+
+def _p90(metric: str, selector: str, window: str) -> str:
+    return f"histogram_quantile(0.9, sum by (le) (rate({metric}_bucket{{{selector}}}[{window}])))"
+
+
+def _join(*matchers: str) -> str:
+    return ",".join(m for m in matchers if m)
+
+
+def _parse_le(value: str) -> float:
+    return math.inf if value in ("+Inf", "Inf", "inf") else float(value)
+
+
+async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
+    """Run every query; a query with no data gives a Reading with value None, never an exception.
+
+    Errors from the source (Prometheus unreachable) propagate: the caller decides to run without telemetry.
+    """
+    e, r, w = scope.engine_selector, scope.router_selector, scope.window
+
+    async def scalar(promql: str) -> Reading:
+        return Reading(await source.query_scalar(promql), promql)
+
+    async def first_of(*queries: str) -> Reading:
+        """The first query that has data (router metrics first, engine counters as the fallback)."""
+        reading = NO_DATA
+        for promql in queries:
+            reading = await scalar(promql)
+            if reading.known:
+                return reading
+        return reading
+
+    capacity = _join(e, 'reason="capacity"')
+    buckets_query = f"sum by (le) (rate(splitserve_router_output_tokens_bucket{{{r}}}[{w}]))"
+    raw_buckets = await source.query_vector(buckets_query)
+    buckets = sorted(
+        (_parse_le(dict(labels)["le"]), value) for labels, value in raw_buckets.items() if "le" in dict(labels)
+    )
+    return Telemetry(
+        window=w,
+        prefix_hits_rate=await scalar(f"sum(rate(vllm:prefix_cache_hits_total{{{e}}}[{w}]))"),
+        prefix_queries_rate=await scalar(f"sum(rate(vllm:prefix_cache_queries_total{{{e}}}[{w}]))"),
+        output_tokens_sum_rate=await scalar(f"sum(rate(splitserve_router_output_tokens_sum{{{r}}}[{w}]))"),
+        output_tokens_count_rate=await scalar(f"sum(rate(splitserve_router_output_tokens_count{{{r}}}[{w}]))"),
+        output_tokens_buckets=tuple(buckets),
+        output_tokens_buckets_query=buckets_query,
+        preemptions_rate=await scalar(f"sum(rate(vllm:num_preemptions_total{{{e}}}[{w}]))"),
+        kv_usage_max=await scalar(f"max(avg_over_time(vllm:kv_cache_usage_perc{{{e}}}[{w}]))"),
+        waiting_for_capacity=await scalar(
+            f"sum(avg_over_time(vllm:num_requests_waiting_by_reason{{{capacity}}}[{w}]))"
+        ),
+        itl_p90=await scalar(_p90("vllm:inter_token_latency_seconds", e, w)),
+        running_per_replica=await scalar(f"max(avg_over_time(vllm:num_requests_running{{{e}}}[{w}]))"),
+        ttft_p90=await scalar(_p90("vllm:time_to_first_token_seconds", e, w)),
+        prefill_time_p90=await scalar(_p90("vllm:request_prefill_time_seconds", e, w)),
+        request_rate=await first_of(
+            f"sum(rate(splitserve_router_prompt_tokens_count{{{r}}}[{w}]))",
+            f"sum(rate(vllm:request_success_total{{{e}}}[{w}]))",
+        ),
+        prompt_tokens_rate=await first_of(
+            f"sum(rate(splitserve_router_prompt_tokens_sum{{{r}}}[{w}]))",
+            f"sum(rate(vllm:prompt_tokens_total{{{e}}}[{w}]))",
+        ),
+        generation_tokens_rate=await first_of(
+            f"sum(rate(splitserve_router_output_tokens_sum{{{r}}}[{w}]))",
+            f"sum(rate(vllm:generation_tokens_total{{{e}}}[{w}]))",
+        ),
+    )
