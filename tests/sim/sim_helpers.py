@@ -25,7 +25,8 @@ def fast_config(role: Role = Role.AGGREGATED, time_scale: float = 0.05, **overri
 
 async def post(session: aiohttp.ClientSession, url: str, body: Any) -> tuple[int, Any]:
     async with session.post(url, json=body) as reply:
-        return reply.status, await reply.json(content_type=None)
+        answer: Any = await reply.json(content_type=None)
+        return reply.status, answer
 
 
 def sample(metrics_text: str, name: str, **labels: str) -> float:

@@ -91,7 +91,8 @@ async def test_openai_client_works_unchanged() -> None:
             stream=True,
             stream_options={"include_usage": True},
         )
-        pieces, usage_seen = [], None
+        pieces: list[str] = []
+        usage_seen = None
         async for chunk in stream:
             pieces.extend(c.delta.content or "" for c in chunk.choices)
             usage_seen = chunk.usage or usage_seen

@@ -26,7 +26,8 @@ async def decode(
     http: aiohttp.ClientSession, worker: SimWorker, params: dict[str, Any], prompt: str = PROMPT, max_tokens: int = 12
 ) -> tuple[int, Any]:
     body = {"prompt": prompt, "max_tokens": max_tokens, "kv_transfer_params": params}
-    return await post(http, worker.url + "/v1/completions", body)
+    status, reply = await post(http, worker.url + "/v1/completions", body)
+    return status, reply
 
 
 def external_tokens(worker: SimWorker) -> float:

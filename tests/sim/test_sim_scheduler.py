@@ -13,10 +13,19 @@ def limits(**overrides: int) -> EngineLimits:
     return EngineLimits(**base)  # type: ignore[arg-type]
 
 
-def seq(name: str, prompt_len: int, max_tokens: int, *, prompt_of: str | None = None, **kw: bool) -> Sequence:
+def seq(
+    name: str,
+    prompt_len: int,
+    max_tokens: int,
+    *,
+    prompt_of: str | None = None,
+    remote_prefill: bool = False,
+    remote_decode: bool = False,
+) -> Sequence:
     """A sequence whose prompt depends on its name (or on ``prompt_of``), so prompts differ by default."""
     start = 1000 * sum(map(ord, prompt_of or name))
-    return Sequence(name, list(range(start, start + prompt_len)), max_tokens, **kw)
+    prompt = list(range(start, start + prompt_len))
+    return Sequence(name, prompt, max_tokens, remote_prefill=remote_prefill, remote_decode=remote_decode)
 
 
 def run_steps(scheduler: Scheduler, steps: int) -> list[list[str]]:
