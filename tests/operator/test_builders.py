@@ -1,0 +1,180 @@
+"""Builders: every object validates against upstream Kubernetes schemas, over examples and
+hypothesis-generated specs; ownership, labels and rollout scope hold for every spec."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.builders.bundle import build_children, child_key
+from splitserve.builders.naming import LABEL_DEPLOYMENT, Owner, Target
+from splitserve.validation import validate_object
+from tests.operator.helpers import EXAMPLES, assert_valid_kubernetes, load, minimal
+
+OWNER = Owner("demo", "ns", "0b3f5a8e-1111-2222-3333-444455556666")
+
+
+def target_of(doc: dict[str, Any], owner: Owner = OWNER) -> Target:
+    return Target(owner, InferenceDeploymentSpec.model_validate(doc["spec"]))
+
+
+@pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
+def test_example_children_validate_against_upstream_schemas(path: Path) -> None:
+    children = build_children(target_of(load(path)))
+    for child in children:
+        assert_valid_kubernetes(child)
+    assert len({child_key(c) for c in children}) == len(children), "duplicate child names"
+
+
+def _pool() -> st.SearchStrategy[dict[str, Any]]:
+    return st.tuples(
+        st.integers(0, 3), st.integers(0, 3), st.sampled_from([1, 2, 4]), st.integers(0, 2), st.booleans()
+    ).map(
+        lambda t: {
+            "minReplicas": t[0],
+            "maxReplicas": t[0] + t[1],
+            "replicas": t[0] + t[1] // 2,
+            "tensorParallelSize": t[2],
+            "resources": {"gpus": t[2] * t[3], "cpu": "2", "memory": "8Gi"},
+            "extraArgs": ["--max-num-batched-tokens", "8192"] if t[4] else [],
+            "nodeSelector": {"pool": "gpu"} if t[4] else {},
+            "tolerations": [{"key": "gpu", "operator": "Exists", "effect": "NoSchedule"}] if t[4] else [],
+        }
+    )
+
+
+specs = st.fixed_dictionaries(
+    {
+        "model": st.fixed_dictionaries(
+            {
+                "name": st.from_regex(r"[a-z][a-z0-9.-]{0,20}", fullmatch=True),
+                "source": st.sampled_from(
+                    [
+                        {"uri": "s3://bucket/model"},
+                        {"pvc": {"claimName": "weights", "path": "/llama"}},
+                        {"huggingFace": {"repo": "org/model", "tokenSecretRef": {"name": "hf"}}},
+                    ]
+                ),
+                "quantization": st.sampled_from(["none", "fp8", "int8", "awq", "gptq"]),
+                "dtype": st.sampled_from(["auto", "bfloat16", "float16"]),
+            }
+        ),
+        "mode": st.sampled_from(["disaggregated", "aggregated"]),
+        "kvTransfer": st.fixed_dictionaries(
+            {
+                "connector": st.sampled_from(
+                    ["NixlConnector", "ExampleConnector", "LMCacheConnectorV1", "MooncakeConnector"]
+                )
+            }
+        ),
+        "engine": st.fixed_dictionaries(
+            {
+                "speculativeDecoding": st.sampled_from(
+                    [{"method": "off"}, {"method": "ngram"}, {"method": "draft", "draftModel": "org/draft"}]
+                ),
+                "prefixCaching": st.booleans(),
+                "env": st.sampled_from([[], [{"name": "A", "value": "1"}]]),
+            }
+        ),
+        "prefill": _pool(),
+        "decode": _pool(),
+        "router": st.fixed_dictionaries(
+            {"serviceType": st.sampled_from(["ClusterIP", "LoadBalancer"]), "port": st.integers(1, 65535)}
+        ),
+        "monitoring": st.fixed_dictionaries({"enabled": st.booleans()}),
+        "autoscaling": st.fixed_dictionaries({"enabled": st.booleans()}),
+    }
+)
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(specs)
+def test_generated_specs_build_valid_owned_children(spec: dict[str, Any]) -> None:
+    doc = minimal(**spec)
+    assert validate_object(doc) == [], "the strategy only generates valid specs"
+    target = target_of(doc)
+    children = build_children(target)
+    for child in children:
+        assert_valid_kubernetes(child)
+        meta = child["metadata"]
+        assert meta["ownerReferences"][0]["uid"] == OWNER.uid
+        assert meta["labels"][LABEL_DEPLOYMENT] == "demo"
+        assert len(meta["name"]) <= 63
+        if child["kind"] == "Deployment":
+            template_labels = child["spec"]["template"]["metadata"]["labels"]
+            assert child["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
+    kinds = [c["kind"] for c in children]
+    assert kinds.count("Deployment") == (2 if spec["mode"] == "aggregated" else 3)
+    assert ("ServiceMonitor" in kinds) == spec["monitoring"]["enabled"]
+
+
+def _templates(doc: dict[str, Any]) -> dict[str, Any]:
+    return {
+        c["metadata"]["name"]: c["spec"]["template"]
+        for c in build_children(target_of(doc))
+        if c["kind"] == "Deployment"
+    }
+
+
+@pytest.mark.parametrize(
+    ("change", "rolled"),
+    [
+        ({"decode": {"extraArgs": ["--max-num-seqs", "64"]}}, {"demo-decode"}),
+        ({"prefill": {"tensorParallelSize": 2, "resources": {"gpus": 2}}}, {"demo-prefill"}),
+        ({"router": {"routingPolicy": {"prefill": "round-robin"}}}, {"demo-router"}),
+        ({"engine": {"prefixCaching": False}}, {"demo-prefill", "demo-decode"}),
+        ({"router": {"port": 9000}}, set()),
+        ({"decode": {"replicas": 2, "maxReplicas": 4}}, set()),
+    ],
+)
+def test_a_spec_change_rolls_only_the_pods_it_affects(change: dict[str, Any], rolled: set[str]) -> None:
+    before = _templates(minimal())
+    after = _templates(minimal(**change))
+    assert {name for name in before if before[name] != after[name]} == rolled
+
+
+def test_aggregated_mode_has_one_worker_pool_behind_the_decode_service() -> None:
+    children = build_children(target_of(minimal(mode="aggregated", kvTransfer={"connector": "None"})))
+    deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
+    assert set(deployments) == {"demo-aggregated", "demo-router"}
+    services = {c["metadata"]["name"]: c for c in children if c["kind"] == "Service"}
+    assert set(services) == {"demo-decode", "demo-router"}
+    pod_labels = deployments["demo-aggregated"]["spec"]["template"]["metadata"]["labels"]
+    assert services["demo-decode"]["spec"]["selector"].items() <= pod_labels.items()
+    router_args = deployments["demo-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert not any(arg.startswith("--prefill-service") for arg in router_args)
+
+
+def test_autoscaled_pools_leave_replicas_to_their_owner() -> None:
+    target = Target(OWNER, InferenceDeploymentSpec.model_validate(minimal()["spec"]), {"prefill": None, "decode": 3})
+    deployments = {c["metadata"]["name"]: c for c in build_children(target) if c["kind"] == "Deployment"}
+    assert "replicas" not in deployments["demo-prefill"]["spec"]
+    assert deployments["demo-decode"]["spec"]["replicas"] == 3
+
+
+def test_network_policy_admits_router_to_http_and_pools_to_kv_ports() -> None:
+    children = build_children(target_of(minimal()))
+    policy = next(c for c in children if c["kind"] == "NetworkPolicy")
+    http_rule, kv_rule = policy["spec"]["ingress"]
+    assert {
+        "podSelector": {"matchLabels": {"splitserve.io/deployment": "demo", "splitserve.io/role": "router"}}
+    } in http_rule["from"]
+    assert http_rule["ports"] == [{"protocol": "TCP", "port": "http"}]
+    assert kv_rule["ports"][0]["port"] == 5600
+
+
+def test_secret_and_pvc_sources_reach_the_pod() -> None:
+    doc = minimal(model={"name": "m", "source": {"huggingFace": {"repo": "o/m", "tokenSecretRef": {"name": "hf"}}}})
+    engine = next(c for c in build_children(target_of(doc)) if c["kind"] == "Deployment")["spec"]["template"]["spec"][
+        "containers"
+    ][0]
+    assert {"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}} in engine["env"]
+    doc = minimal(model={"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"}}})
+    pod = next(c for c in build_children(target_of(doc)) if c["kind"] == "Deployment")["spec"]["template"]["spec"]
+    assert pod["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
+    assert "/models/llama" in pod["containers"][0]["args"]
