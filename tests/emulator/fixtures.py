@@ -113,16 +113,18 @@ class EmulatorProcess:
 
 
 class Kubectl:
-    def __init__(self, emulator: EmulatorProcess) -> None:
+    def __init__(self, emulator: EmulatorProcess, *, namespace: str | None = None) -> None:
         self.emulator = emulator
+        self.namespace = namespace
         self.binary = find_kubectl()
 
     def __call__(
         self, *args: str, input: str | None = None, check: bool = True, timeout: float = 30.0
     ) -> subprocess.CompletedProcess[str]:
         """Run kubectl against the emulator; check=True raises with stderr on a non-zero exit."""
+        namespace_args = ["--namespace", self.namespace] if self.namespace else []
         result = subprocess.run(
-            [self.binary, *args], input=input, capture_output=True, text=True, env=self.emulator.env(),
+            [self.binary, *namespace_args, *args], input=input, capture_output=True, text=True, env=self.emulator.env(),
             timeout=timeout,
         )
         if check and result.returncode != 0:
@@ -175,3 +177,9 @@ def emulator_client(emulator: EmulatorProcess) -> Iterator[EmulatorClient]:
 @pytest.fixture
 def kubectl(emulator: EmulatorProcess) -> Kubectl:
     return Kubectl(emulator)
+
+
+@pytest.fixture
+def namespaced_kubectl(shared_emulator: EmulatorProcess, test_namespace: str) -> Kubectl:
+    """kubectl on the module's shared emulator, defaulting to this test's own namespace."""
+    return Kubectl(shared_emulator, namespace=test_namespace)

@@ -51,6 +51,12 @@ def _error_response(error: errors.ApiError) -> aiohttp.web.Response:
 
 
 def _parse_body(raw: bytes, content_type: str) -> Any:
+    if "protobuf" in content_type or "cbor" in content_type:
+        raise errors.ApiError(
+            415, "UnsupportedMediaType",
+            f"the body of the request was in an unknown format - accepted media types include: application/json, "
+            f"application/yaml (got {content_type})",
+        )
     if not raw.strip():
         return None
     try:
