@@ -175,7 +175,9 @@ def render_text(
     lines.append("")
     detail_indent = "     "
     for result in results:
-        lines.extend(textwrap.wrap(f"{result.number}. {result.title}: {result.verdict}", width, subsequent_indent="   "))
+        lines.extend(
+            textwrap.wrap(f"{result.number}. {result.title}: {result.verdict}", width, subsequent_indent="   ")
+        )
         for evidence in result.evidence:
             lines.extend(
                 textwrap.wrap(evidence.render(), width, initial_indent="   - ", subsequent_indent=detail_indent)

@@ -1,0 +1,332 @@
+"""Dynamic optimization (spec.optimization.dynamic): decide at most one change at a time.
+
+Pure decision logic; the operator feeds it telemetry samples over time, the state being served and the
+history of changes it applied, and applies the returned `Action` (a merge patch) itself.
+
+Rules, in the order they are checked:
+1. Nothing happens unless `dynamic` is on; a kind named in `veto` is never changed (not even undone).
+2. Undo: once a change has run for `evaluation_s`, its target metric (mean over the samples taken since)
+   is compared with the baseline recorded when it was decided; worse by more than `worse_tolerance`
+   -> revert it. A reverted change is not tried again for `retry_after_revert_s`.
+3. Rate limit: no new change within `min_interval_s` of the last one (a change that has not been
+   evaluated yet blocks everything but its own undo).
+4. Sustained evidence: a change is made only when every sample in the last `window_s` (at least
+   `min_samples`, all taken after the last change, observed for the whole window) supports it.
+5. Hysteresis: the thresholds that turn something on and off are apart (e.g. speculative decoding on
+   at batch <= 8, off at batch >= 32), so noise around one threshold cannot flap the setting.
+Priority when several changes are supported: mode, then speculative decoding, then the ratio.
+
+Note on speculative decoding: it is turned on at LOW load, unlike the source article's example of
+enabling it "during peak traffic": draft-and-verify pays only while decode is memory-bandwidth-bound
+(small batches); at large batches the verification work costs throughput and latency.
+"""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from splitserve.api.spec import Mode
+from splitserve.api.status import OptimizationEvent
+
+ActionKind = Literal["mode", "speculativeDecoding", "ratio"]
+TargetMetric = Literal["itl_p90", "ttft_p90"]
+
+
+@dataclass(frozen=True)
+class Sample:
+    """One observation of the deployment (from the diagnosis telemetry); None means no data."""
+
+    time: float  # seconds, any monotonic clock shared with `now`
+    batch_per_replica: float | None = None  # running sequences on a decode worker
+    itl_p90: float | None = None
+    ttft_p90: float | None = None
+    ttft_inflation: float | None = None  # TTFT p90 / prefill time p90
+    needed_ratio: float | None = None  # prefill:decode replicas the traffic needs
+
+
+@dataclass(frozen=True)
+class ServingState:
+    mode: Mode
+    speculative_method: str  # "off", "ngram" or "draft"
+    prefill_replicas: int
+    decode_replicas: int
+    speculative_method_when_on: str = "ngram"  # "draft" when the spec names a draft model
+
+    @property
+    def ratio(self) -> float:
+        return self.prefill_replicas / max(1, self.decode_replicas)
+
+
+@dataclass(frozen=True)
+class AutopilotPolicy:
+    window_s: float = 600.0
+    min_samples: int = 3
+    min_interval_s: float = 1800.0
+    evaluation_s: float = 600.0
+    worse_tolerance: float = 0.10
+    retry_after_revert_s: float = 4 * 3600.0
+    speculative_on_below_batch: float = 8.0
+    speculative_off_above_batch: float = 32.0
+    disaggregate_above_inflation: float = 2.0
+    disaggregate_above_batch: float = 16.0
+    aggregate_below_batch: float = 4.0
+    ratio_band: float = 1.5  # change the ratio only when the need is off by more than this factor
+
+    def __post_init__(self) -> None:
+        if self.evaluation_s >= self.min_interval_s:
+            raise ValueError("evaluation_s must be below min_interval_s (a change is judged before the next)")
+        if self.speculative_on_below_batch >= self.speculative_off_above_batch:
+            raise ValueError("speculative decoding thresholds need a hysteresis gap (on below < off above)")
+        if self.aggregate_below_batch >= self.disaggregate_above_batch:
+            raise ValueError("mode thresholds need a hysteresis gap (aggregate below < disaggregate above)")
+
+
+@dataclass(frozen=True)
+class Action:
+    kind: ActionKind
+    what: str
+    why: str
+    patch: dict[str, Any]
+    undo_patch: dict[str, Any]
+    target_metric: TargetMetric
+    baseline: float | None  # mean of the target metric over the evidence window
+    numbers: dict[str, float] = field(default_factory=dict)
+    reverts: Action | None = None
+
+    def to_event(self, time: str) -> OptimizationEvent:
+        numbers = ", ".join(f"{key}={value:.3g}" for key, value in sorted(self.numbers.items()))
+        reason = f"{self.why} ({numbers})" if numbers else self.why
+        return OptimizationEvent(time=time, action=self.what, reason=reason, reverted=self.reverts is not None)
+
+
+@dataclass(frozen=True)
+class AppliedAction:
+    action: Action
+    time: float
+    # The caller sets this on the original entry when it applies the undo (and appends the undo itself).
+    reverted: bool = False
+
+
+@dataclass(frozen=True)
+class Decision:
+    action: Action | None
+    note: str  # why nothing was done, or what was done
+
+
+def _mean(values: Sequence[float | None]) -> float | None:
+    known = [value for value in values if value is not None]
+    return statistics.fmean(known) if known else None
+
+
+def _metric(sample: Sample, metric: TargetMetric) -> float | None:
+    return sample.itl_p90 if metric == "itl_p90" else sample.ttft_p90
+
+
+def _revert(applied: AppliedAction, post: float) -> Action:
+    original = applied.action
+    return Action(
+        kind=original.kind,
+        what=f"undo: {original.what}",
+        why=f"{original.target_metric} got worse after the change",
+        patch=original.undo_patch,
+        undo_patch=original.patch,
+        target_metric=original.target_metric,
+        baseline=post,
+        numbers={"before": original.baseline or 0.0, "after": post},
+        reverts=original,
+    )
+
+
+def _recently_reverted(
+    history: Sequence[AppliedAction], kind: ActionKind, patch: dict[str, Any], now: float, policy: AutopilotPolicy
+) -> bool:
+    return any(
+        entry.reverted
+        and entry.action.kind == kind
+        and entry.action.patch == patch
+        and now - entry.time < policy.retry_after_revert_s
+        for entry in history
+    )
+
+
+def decide(
+    *,
+    dynamic: bool,
+    veto: Sequence[str],
+    state: ServingState,
+    samples: Sequence[Sample],
+    history: Sequence[AppliedAction],
+    now: float,
+    policy: AutopilotPolicy | None = None,
+) -> Decision:
+    """At most one change, or None with the reason. `history` is oldest first."""
+    policy = policy or AutopilotPolicy()
+    if not dynamic:
+        return Decision(None, "dynamic optimization is off")
+    last = history[-1] if history else None
+
+    if last is not None and last.action.reverts is None and not last.reverted:
+        age = now - last.time
+        if age < policy.evaluation_s:
+            return Decision(None, f"waiting {policy.evaluation_s - age:.0f}s more to evaluate: {last.action.what}")
+        if age < policy.min_interval_s:
+            after = [s for s in samples if last.time < s.time <= now]
+            post = _mean([_metric(s, last.action.target_metric) for s in after])
+            baseline = last.action.baseline
+            worse = (
+                baseline is not None
+                and post is not None
+                and len(after) >= policy.min_samples
+                and post > baseline * (1 + policy.worse_tolerance)
+            )
+            if worse and post is not None:
+                if last.action.kind in veto:
+                    return Decision(None, f"{last.action.what} made things worse but {last.action.kind} is vetoed")
+                return Decision(_revert(last, post), f"undo {last.action.what}")
+            return Decision(None, f"rate limited: last change {age:.0f}s ago (min {policy.min_interval_s:.0f}s)")
+    if last is not None and now - last.time < policy.min_interval_s:
+        return Decision(
+            None, f"rate limited: last change {now - last.time:.0f}s ago (min {policy.min_interval_s:.0f}s)"
+        )
+
+    since = last.time if last is not None else float("-inf")
+    observed = [s for s in samples if since < s.time <= now]
+    if not observed or now - min(s.time for s in observed) < policy.window_s:
+        return Decision(None, f"not enough history: need {policy.window_s:.0f}s of samples since the last change")
+    window = [s for s in observed if s.time >= now - policy.window_s]
+    if len(window) < policy.min_samples:
+        return Decision(None, f"only {len(window)} samples in the window (need {policy.min_samples})")
+
+    notes: list[str] = []
+    for kind, propose in _PROPOSALS:
+        action = propose(state, window, policy)
+        if action is None:
+            continue
+        if kind in veto:
+            notes.append(f"{action.what} vetoed")
+            continue
+        if _recently_reverted(history, kind, action.patch, now, policy):
+            notes.append(f"{action.what} was undone recently")
+            continue
+        return Decision(action, action.what)
+    return Decision(None, "; ".join(notes) or "no sustained evidence for a change")
+
+
+def _all(window: Sequence[Sample], test: Callable[[Sample], bool]) -> bool:
+    return all(test(sample) for sample in window)
+
+
+def _batch(sample: Sample) -> float:
+    return sample.batch_per_replica if sample.batch_per_replica is not None else float("nan")
+
+
+def _propose_mode(state: ServingState, window: Sequence[Sample], policy: AutopilotPolicy) -> Action | None:
+    batch = _mean([s.batch_per_replica for s in window]) or 0.0
+    inflation = _mean([s.ttft_inflation for s in window])
+    to_disagg: dict[str, Any] = {"mode": Mode.DISAGGREGATED.value}
+    to_agg: dict[str, Any] = {"mode": Mode.AGGREGATED.value}
+    if state.mode is Mode.AGGREGATED and _all(
+        window,
+        lambda s: (
+            s.ttft_inflation is not None
+            and s.ttft_inflation >= policy.disaggregate_above_inflation
+            and _batch(s) >= policy.disaggregate_above_batch
+        ),
+    ):
+        return Action(
+            "mode",
+            "switch to disaggregated",
+            f"TTFT inflated by prefill/decode interference under load for {policy.window_s:.0f}s",
+            to_disagg,
+            to_agg,
+            "ttft_p90",
+            _mean([s.ttft_p90 for s in window]),
+            {"batch": batch, "ttft_inflation": inflation or 0.0},
+        )
+    if state.mode is Mode.DISAGGREGATED and _all(window, lambda s: _batch(s) <= policy.aggregate_below_batch):
+        return Action(
+            "mode",
+            "switch to aggregated",
+            f"load low for {policy.window_s:.0f}s: one pool serves it without a KV hop",
+            to_agg,
+            to_disagg,
+            "ttft_p90",
+            _mean([s.ttft_p90 for s in window]),
+            {"batch": batch},
+        )
+    return None
+
+
+def _propose_speculative(state: ServingState, window: Sequence[Sample], policy: AutopilotPolicy) -> Action | None:
+    batch = _mean([s.batch_per_replica for s in window]) or 0.0
+    itl = _mean([s.itl_p90 for s in window])
+
+    def patch(method: str) -> dict[str, Any]:
+        return {"engine": {"speculativeDecoding": {"method": method}}}
+
+    numbers = {"batch": batch, **({"itl_p90": itl} if itl is not None else {})}
+    if state.speculative_method == "off" and _all(window, lambda s: _batch(s) <= policy.speculative_on_below_batch):
+        method = state.speculative_method_when_on
+        return Action(
+            "speculativeDecoding",
+            f"turn speculative decoding on ({method})",
+            f"batch <= {policy.speculative_on_below_batch:g} for {policy.window_s:.0f}s: decode is bandwidth-bound",
+            patch(method),
+            patch("off"),
+            "itl_p90",
+            itl,
+            numbers,
+        )
+    if state.speculative_method != "off" and _all(window, lambda s: _batch(s) >= policy.speculative_off_above_batch):
+        return Action(
+            "speculativeDecoding",
+            "turn speculative decoding off",
+            f"batch >= {policy.speculative_off_above_batch:g} for {policy.window_s:.0f}s: "
+            "verification work costs throughput",
+            patch("off"),
+            patch(state.speculative_method),
+            "itl_p90",
+            itl,
+            numbers,
+        )
+    return None
+
+
+def _propose_ratio(state: ServingState, window: Sequence[Sample], policy: AutopilotPolicy) -> Action | None:
+    if state.mode is not Mode.DISAGGREGATED:
+        return None
+    needs = [s.needed_ratio for s in window]
+    if any(need is None or need <= 0 for need in needs):
+        return None
+    current = state.ratio
+    known = [need for need in needs if need is not None]
+    higher = all(need > current * policy.ratio_band for need in known)
+    lower = all(need < current / policy.ratio_band for need in known)
+    if not (higher or lower):
+        return None
+    target = statistics.median(known)
+    prefill = max(1, round(state.decode_replicas * target))
+    if prefill == state.prefill_replicas:
+        return None
+    return Action(
+        "ratio",
+        f"set prefill replicas {state.prefill_replicas} -> {prefill}",
+        f"traffic needed prefill:decode {target:.2f} (now {current:.2f}) for {policy.window_s:.0f}s",
+        {"prefill": {"replicas": prefill}},
+        {"prefill": {"replicas": state.prefill_replicas}},
+        "ttft_p90",
+        _mean([s.ttft_p90 for s in window]),
+        {"needed_ratio": target, "current_ratio": current},
+    )
+
+
+_PROPOSALS: tuple[
+    tuple[ActionKind, Callable[[ServingState, Sequence[Sample], AutopilotPolicy], Action | None]], ...
+] = (
+    ("mode", _propose_mode),
+    ("speculativeDecoding", _propose_speculative),
+    ("ratio", _propose_ratio),
+)
