@@ -169,7 +169,6 @@ def _entry_for(
 ) -> ManagerEntry:
     for entry in entries:
         if entry.key == (manager, operation, subresource):
-            entry.api_version, entry.time = api_version, now
             return entry
     entry = ManagerEntry(manager, operation, api_version, subresource, now, set())
     entries.append(entry)
@@ -203,6 +202,7 @@ def record_update(
     if existing:
         mine = _entry_for(entries, manager, "Update", subresource, api_version, now)
         mine.paths |= existing
+        mine.api_version, mine.time = api_version, now
     write_entries(new, entries)
 
 
@@ -237,15 +237,24 @@ def server_side_apply(
 
     # Fields this manager applied before and leaves out now go away, unless someone else owns them too.
     for path in mine.paths - applied_paths:
-        if any(overlaps(path, applied_path) for applied_path in applied_paths):
-            continue
+        if any(applied_path[: len(path)] == path for applied_path in applied_paths):
+            continue  # still applied, as the parent of what is applied now
         if not any(any(overlaps(path, owned) for owned in entry.paths) for entry in others):
             remove_path(base, path)
 
     result = _apply_merge(base, applied)
+    if mine.paths != applied_paths or _content(result) != _content(current or {}):
+        mine.api_version, mine.time = api_version, now
     mine.paths = applied_paths
     write_entries(result, entries)
     return result
+
+
+def _content(obj: Mapping[str, Any]) -> dict[str, Any]:
+    """The object without its ownership records, to tell a no-op apply from a real change."""
+    content = dict(obj)
+    content["metadata"] = {k: v for k, v in (obj.get("metadata") or {}).items() if k != "managedFields"}
+    return content
 
 
 def _apply_merge(target: Any, applied: Any) -> Any:
