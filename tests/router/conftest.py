@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
@@ -58,6 +60,14 @@ async def running_router(config: RouterConfig, discovery: Discovery | None = Non
         yield router, f"http://127.0.0.1:{port}"
     finally:
         await runner.cleanup()
+
+
+async def wait_until(condition: Callable[[], object], within: float = 5.0) -> None:
+    """Poll ``condition`` until it is truthy; fail the test after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)
 
 
 def metric_value(router: Router, name: str, labels: dict[str, str] | None = None) -> float:

@@ -9,7 +9,9 @@ from splitserve.sim import SimWorker
 from tests.router.conftest import metric_value, router_config, running_router, sim_config
 
 
-async def _post(url: str, body: dict[str, object], headers: dict[str, str] | None = None) -> tuple[int, bytes, dict[str, str]]:
+async def _post(
+    url: str, body: dict[str, object], headers: dict[str, str] | None = None
+) -> tuple[int, bytes, dict[str, str]]:
     async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as response:
         return response.status, await response.read(), {k.lower(): v for k, v in response.headers.items()}
 
@@ -36,12 +38,19 @@ async def test_disaggregated_completion_uses_transferred_kv() -> None:
             assert answer["usage"]["completion_tokens"] == 8
             assert headers["x-request-id"] == "req-abc"
             assert _external_kv_tokens(decode) == answer["usage"]["prompt_tokens"]
-            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}) == 1
+            assert (
+                metric_value(
+                    router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}
+                )
+                == 1
+            )
             assert metric_value(router, "splitserve_router_kv_handoff_seconds_count") == 1
 
         # Same prompt straight to an aggregated path gives the same text: KV transfer changed nothing.
         async with SimWorker(sim_config("aggregated")) as single:
-            _, alone, _ = await _post(single.url + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 8})
+            _, alone, _ = await _post(
+                single.url + "/v1/completions", {"model": "sim-model", "prompt": prompt, "max_tokens": 8}
+            )
         assert orjson.loads(alone)["choices"][0]["text"] == answer["choices"][0]["text"]
 
 
@@ -70,22 +79,38 @@ async def test_short_prompts_skip_prefill_below_threshold() -> None:
     async with SimWorker(sim_config("prefill")) as prefill, SimWorker(sim_config("decode")) as decode:
         config = router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,), disagg_threshold_tokens=100)
         async with running_router(config) as (router, url):
-            status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "short", "max_tokens": 2})
+            status, _, _ = await _post(
+                url + "/v1/completions", {"model": "sim-model", "prompt": "short", "max_tokens": 2}
+            )
             assert status == 200
-            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"}) == 1
+            assert (
+                metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"})
+                == 1
+            )
             assert _external_kv_tokens(decode) == 0
-            status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "x" * 800, "max_tokens": 2})
+            status, _, _ = await _post(
+                url + "/v1/completions", {"model": "sim-model", "prompt": "x" * 800, "max_tokens": 2}
+            )
             assert status == 200
-            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}) == 1
+            assert (
+                metric_value(
+                    router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}
+                )
+                == 1
+            )
 
 
 async def test_decode_only_deployment_serves_aggregated() -> None:
-    async with SimWorker(sim_config("aggregated")) as worker:
-        async with running_router(router_config(decode_urls=(worker.url,))) as (router, url):
-            status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "hi", "max_tokens": 2})
-            assert status == 200
-            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"}) == 1
-            assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_unavailable"}) == 0
+    async with (
+        SimWorker(sim_config("aggregated")) as worker,
+        running_router(router_config(decode_urls=(worker.url,))) as (router, url),
+    ):
+        status, _, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "hi", "max_tokens": 2})
+        assert status == 200
+        assert (
+            metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"}) == 1
+        )
+        assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_unavailable"}) == 0
 
 
 async def test_prefill_without_kv_params_falls_back_to_aggregated() -> None:
@@ -93,11 +118,16 @@ async def test_prefill_without_kv_params_falls_back_to_aggregated() -> None:
     async with SimWorker(sim_config("aggregated")) as not_prefill, SimWorker(sim_config("decode")) as decode:
         config = router_config(prefill_urls=(not_prefill.url,), decode_urls=(decode.url,))
         async with running_router(config) as (router, url):
-            status, body, _ = await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "a b c d", "max_tokens": 3})
+            status, body, _ = await _post(
+                url + "/v1/completions", {"model": "sim-model", "prompt": "a b c d", "max_tokens": 3}
+            )
             assert status == 200
             assert orjson.loads(body)["usage"]["completion_tokens"] == 3
             assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_no_kv_params"}) == 1
-            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "fallback"}) == 1
+            assert (
+                metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "fallback"})
+                == 1
+            )
 
 
 async def test_expired_kv_on_decode_is_retried_aggregated() -> None:
@@ -118,10 +148,11 @@ async def test_expired_kv_on_decode_is_retried_aggregated() -> None:
 
 async def test_models_lists_the_served_model() -> None:
     async with SimWorker(sim_config("aggregated")) as worker:
-        async with running_router(router_config(decode_urls=(worker.url,))) as (_, url):
-            async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
+        for model in ("sim-model", None):  # configured name, or asked from a decode worker
+            async with (
+                running_router(router_config(decode_urls=(worker.url,), model=model)) as (_, url),
+                aiohttp.ClientSession() as session,
+                session.get(url + "/v1/models") as response,
+            ):
                 assert response.status == 200
-                assert [m["id"] for m in (await response.json())["data"]] == ["sim-model"]
-        async with running_router(router_config(decode_urls=(worker.url,), model=None)) as (_, url):
-            async with aiohttp.ClientSession() as session, session.get(url + "/v1/models") as response:
                 assert [m["id"] for m in (await response.json())["data"]] == ["sim-model"]

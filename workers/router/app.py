@@ -19,6 +19,7 @@ import aiohttp
 import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+
 from splitserve.router import errors
 from splitserve.router.config import DiscoveryKind, RouterConfig
 from splitserve.router.discovery import (

@@ -10,6 +10,7 @@ import sys
 from collections.abc import Callable
 
 from aiohttp import web
+
 from splitserve.router.config import DiscoveryKind, RouterConfig
 from splitserve.router.policies import PolicyName
 

@@ -20,6 +20,7 @@ from typing import Any
 import aiohttp
 import orjson
 from aiohttp import web
+
 from splitserve.router import errors
 from splitserve.router.config import RouterConfig
 from splitserve.router.metrics import RouterMetrics
@@ -201,7 +202,8 @@ class Flow:
             except _Retriable as failure:
                 log.info("prefill on %s failed (%s) for %s", worker.url, failure, ctx.request_id)
                 self._prefill.record_failure(worker)
-                if attempt + 1 < attempts and self._prefill.has_healthy:
+                # Another prefill worker may work; the same one again would only delay the fallback.
+                if attempt + 1 < attempts and self._prefill.has_healthy_except(tried):
                     self._metrics.retries.labels("prefill").inc()
                     continue
                 return self._fallback(ctx, "prefill_failed")

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 
 import aiohttp
+
 from splitserve.router import errors
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import KvAware, PrefixAware, RoutingPolicy, RoutingRequest
@@ -132,6 +133,9 @@ class WorkerPool:
     @property
     def has_healthy(self) -> bool:
         return any(w.state is WorkerState.HEALTHY for w in self._workers.values())
+
+    def has_healthy_except(self, tried: set[str]) -> bool:
+        return any(w.state is WorkerState.HEALTHY and w.url not in tried for w in self._workers.values())
 
     @property
     def queue_depth(self) -> int:

@@ -1,0 +1,218 @@
+"""Failure handling on simulated workers: dead workers, broken streams, 500s, overload, disconnects."""
+
+from __future__ import annotations
+
+import asyncio
+
+import aiohttp
+import orjson
+import pytest
+
+from splitserve.router.config import RouterConfig
+from splitserve.sim import SimWorker
+from tests.router.conftest import fault, metric_value, router_config, running_router, sim_config, wait_until
+
+
+async def _post(url: str, body: dict[str, object]) -> tuple[int, bytes, dict[str, str]]:
+    async with aiohttp.ClientSession() as session, session.post(url, json=body) as response:
+        return response.status, await response.read(), {k.lower(): v for k, v in response.headers.items()}
+
+
+COMPLETION = {"model": "sim-model", "prompt": "alpha beta gamma delta", "max_tokens": 4}
+
+
+async def test_decode_killed_mid_stream_gives_an_error_event_not_a_hang() -> None:
+    decode_config = sim_config("decode", faults=fault(fail_after_tokens=2))
+    async with SimWorker(sim_config("prefill")) as prefill, SimWorker(decode_config) as decode:
+        config = router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))
+        async with running_router(config) as (router, url):
+            body = {**COMPLETION, "max_tokens": 20, "stream": True}
+            status, raw, _ = await asyncio.wait_for(_post(url + "/v1/completions", body), 10)
+            assert status == 200
+            events = [e for e in raw.decode().split("\n\n") if e.startswith("data: ")]
+            error = orjson.loads(events[-2].removeprefix("data: "))
+            assert error["error"]["code"] == "decode_stream_interrupted"
+            assert events[-1] == "data: [DONE]"
+            assert (
+                metric_value(
+                    router, "splitserve_router_requests_total", {"outcome": "stream_error", "mode": "disaggregated"}
+                )
+                == 1
+            )
+
+
+async def test_dead_prefill_worker_means_aggregated_fallback() -> None:
+    prefill = SimWorker(sim_config("prefill"))
+    await prefill.start()
+    dead_url = prefill.url
+    await prefill.stop()  # nothing listens there any more
+    async with SimWorker(sim_config("decode")) as decode:
+        config = router_config(prefill_urls=(dead_url,), decode_urls=(decode.url,), eject_after_failures=2)
+        async with running_router(config) as (router, url):
+            for _ in range(4):
+                status, body, _ = await _post(url + "/v1/completions", COMPLETION)
+                assert status == 200, body
+            assert (
+                metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_failed"}) == 2
+            )  # one per failure
+            # Ejected after two failures: later requests skip the dead pool without trying it.
+            assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_unavailable"}) == 2
+            assert metric_value(router, "splitserve_router_ejections_total", {"pool": "prefill"}) == 1
+            assert (
+                metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "fallback"})
+                == 4
+            )
+
+
+async def test_failing_worker_is_ejected_then_readmitted() -> None:
+    async with SimWorker(sim_config("aggregated")) as good, SimWorker(sim_config("aggregated")) as bad:
+        bad.faults.status = 500
+        config = router_config(decode_urls=(good.url, bad.url), decode_policy="round-robin", eject_after_failures=2)
+        async with running_router(config) as (router, url):
+            for _ in range(6):
+                status, _, _ = await _post(url + "/v1/completions", COMPLETION)
+                assert status == 200  # failures on `bad` are retried on `good`
+            assert metric_value(router, "splitserve_router_ejections_total", {"pool": "decode"}) == 1
+            assert metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "ejected"}) == 1
+            assert metric_value(router, "splitserve_router_retries_total", {"pool": "decode"}) == 2
+            bad.faults.status = None  # healthy again (its /health never failed)
+            await wait_until(
+                lambda: not metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "ejected"})
+            )
+            assert metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "healthy"}) == 2
+            served_before = _served(bad)
+            for _ in range(4):
+                await _post(url + "/v1/completions", COMPLETION)
+            assert _served(bad) > served_before
+
+
+def _served(worker: SimWorker) -> float:
+    total = 0.0
+    for line in worker.metrics_text().splitlines():
+        if line.startswith("vllm:request_success_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
+async def test_all_decode_attempts_failing_is_a_clear_502() -> None:
+    async with (
+        SimWorker(sim_config("aggregated", faults=fault(status=500))) as bad,
+        running_router(router_config(decode_urls=(bad.url,), max_retries=1)) as (router, url),
+    ):
+        status, body, _ = await _post(url + "/v1/completions", COMPLETION)
+        assert status == 502
+        assert orjson.loads(body)["error"]["type"] == "upstream_error"
+        assert (
+            metric_value(
+                router, "splitserve_router_requests_total", {"outcome": "upstream_error", "mode": "aggregated"}
+            )
+            == 1
+        )
+
+
+async def test_client_disconnect_cancels_the_upstream_request() -> None:
+    slow = sim_config("aggregated", time_scale=1.0)  # real CPU-tiny speed: long enough to hang up on
+    async with SimWorker(slow) as worker, running_router(router_config(decode_urls=(worker.url,))) as (router, url):
+        body = {**COMPLETION, "max_tokens": 2000, "stream": True}
+        async with aiohttp.ClientSession() as session, session.post(url + "/v1/completions", json=body) as response:
+            await response.content.readany()
+        await wait_until(lambda: router.decode.inflight == 0)
+        await wait_until(lambda: _running(worker) == 0)
+        assert (
+            metric_value(router, "splitserve_router_requests_total", {"outcome": "cancelled", "mode": "aggregated"})
+            == 1
+        )
+
+
+def _running(worker: SimWorker) -> float:
+    for line in worker.metrics_text().splitlines():
+        if line.startswith("vllm:num_requests_running"):
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0
+
+
+async def test_scale_from_zero_holds_requests_until_a_decode_worker_appears() -> None:
+    async with SimWorker(sim_config("aggregated")) as worker:
+        config = router_config(decode_urls=("http://127.0.0.1:9",), queue_timeout=5.0)
+        async with running_router(config) as (router, url):
+            router.decode.set_endpoints([])  # scaled to zero
+            async with aiohttp.ClientSession() as session:
+                async with session.get(url + "/ready") as ready:
+                    assert ready.status == 503
+                pending = asyncio.ensure_future(_post(url + "/v1/completions", COMPLETION))
+                await asyncio.sleep(0.2)
+                assert metric_value(router, "splitserve_router_queue_depth", {"pool": "decode"}) == 1
+                router.decode.set_endpoints([worker.url])  # the autoscaler brought one up
+                status, _, _ = await asyncio.wait_for(pending, 5)
+                assert status == 200
+                async with session.get(url + "/ready") as ready:
+                    assert ready.status == 200
+                assert metric_value(router, "splitserve_router_queue_depth", {"pool": "decode"}) == 0
+
+
+async def test_no_decode_capacity_within_queue_timeout_is_503() -> None:
+    config = router_config(decode_urls=("http://127.0.0.1:9",), queue_timeout=0.2)
+    async with running_router(config) as (router, url):
+        router.decode.set_endpoints([])
+        status, body, headers = await _post(url + "/v1/completions", COMPLETION)
+        assert status == 503
+        assert orjson.loads(body)["error"]["code"] == "no_decode_capacity"
+        assert "retry-after" in headers
+
+
+async def test_full_admission_queue_is_429_with_retry_after() -> None:
+    config = router_config(decode_urls=("http://127.0.0.1:9",), queue_limit=2, queue_timeout=0.5)
+    async with running_router(config) as (router, url):
+        router.decode.set_endpoints([])
+        waiting = [asyncio.ensure_future(_post(url + "/v1/completions", COMPLETION)) for _ in range(2)]
+        await asyncio.sleep(0.2)
+        status, body, headers = await _post(url + "/v1/completions", COMPLETION)
+        assert status == 429
+        assert headers["retry-after"] == "1"
+        assert orjson.loads(body)["error"]["type"] == "rate_limit_error"
+        assert [s for s, _, _ in await asyncio.gather(*waiting)] == [503, 503]
+
+
+@pytest.mark.slow
+async def test_two_thousand_mixed_requests_none_lost() -> None:
+    async with SimWorker(sim_config("prefill")) as prefill, SimWorker(sim_config("decode")) as decode:
+        config: RouterConfig = router_config(
+            prefill_urls=(prefill.url,),
+            decode_urls=(decode.url,),
+            max_inflight_per_worker=64,
+            queue_limit=300,
+            queue_timeout=30.0,
+        )
+        async with running_router(config) as (router, url):
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as session:
+
+                async def one(i: int) -> str:
+                    body = {
+                        "model": "sim-model",
+                        "prompt": f"user {i} says hello",
+                        "max_tokens": 3,
+                        "stream": i % 2 == 0,
+                    }
+                    async with session.post(url + "/v1/completions", json=body) as response:
+                        raw = await response.read()
+                        if response.status == 429:
+                            return "429"
+                        assert response.status == 200, raw
+                        if body["stream"]:
+                            assert raw.endswith(b"data: [DONE]\n\n") and b'"error"' not in raw
+                        else:
+                            assert orjson.loads(raw)["usage"]["completion_tokens"] == 3
+                        return "ok"
+
+                results = await asyncio.gather(*(one(i) for i in range(2000)))
+            assert len(results) == 2000
+            answered, refused = results.count("ok"), results.count("429")
+            assert answered + refused == 2000
+            assert answered >= 300  # at least the first wave of slots and queue got through
+            assert (
+                metric_value(router, "splitserve_router_requests_total", {"outcome": "rejected", "mode": "none"})
+                == refused
+            )
+            assert router.decode.inflight == 0 and router.prefill.inflight == 0
+            assert router.budget.waiting == 0
