@@ -68,6 +68,8 @@ class PlanInputs:
     model_path: str | None = None  # engine vllm: what workers load
     spec_path: str | None = None  # engine vllm: the resolved spec file workers read
     sim_profile: str | None = None
+    # The router finishes in-flight requests for this long after SIGTERM (less than up's stop grace).
+    router_drain_seconds: float = 5.0
 
 
 def worker_roles(deployment: LocalDeployment) -> list[tuple[str, str]]:
@@ -116,6 +118,13 @@ def _router(deployment: LocalDeployment, workers: list[ProcessSpec], inputs: Pla
     argv += ["--decode-policy", router.routing_policy.decode.value]
     argv += ["--queue-limit", str(router.admission_queue_limit)]
     argv += ["--disagg-threshold-tokens", str(router.disaggregation_threshold_tokens)]
+    timeouts = router.timeouts
+    argv += ["--connect-timeout", str(timeouts.connect_seconds), "--prefill-timeout", str(timeouts.prefill_seconds)]
+    argv += ["--decode-timeout", str(timeouts.first_token_seconds), "--request-timeout", str(timeouts.request_seconds)]
+    argv += ["--queue-timeout", str(timeouts.queue_seconds), "--drain-seconds", str(inputs.router_drain_seconds)]
+    if inputs.engine is Engine.VLLM and inputs.model_path and uses_tiny_model(deployment):
+        # The real tokenizer makes the router's token counts (threshold, prefix hashing) exact.
+        argv += ["--tokenizer", inputs.model_path]
     return ProcessSpec(name="router", argv=tuple(argv), port=inputs.router_port, ready_path="/ready")
 
 

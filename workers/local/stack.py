@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import yaml
+
 from splitserve.local.deployment import LocalDeployment
 from splitserve.local.plan import (
     Engine,
@@ -101,6 +102,7 @@ class LocalStack:
             allocate_port=self.ports.allocate,
             splitserve=splitserve_command(),
             sim_profile=self.options.sim_profile,
+            router_drain_seconds=max(1.0, self.options.stop_grace / 2),
         )
         if self.options.engine is Engine.VLLM:
             model_path = self._model_path()

@@ -23,6 +23,7 @@ from types import FrameType
 from typing import TextIO
 
 import httpx
+
 from splitserve.local.plan import ProcessSpec
 from splitserve.local.procs import group_members
 

@@ -1,0 +1,87 @@
+"""`splitserve up --engine sim` end to end, as a user runs it: a subprocess, real simulators and router."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+from pathlib import Path
+
+import openai
+import pytest
+
+from splitserve.local.ports import is_port_free
+from splitserve.local.procs import is_alive
+from tests.local.conftest import REPO
+from tests.local.upctl import ENDPOINT_LINE, start_up
+
+# Each test starts three Python processes; on a shared 2-core machine that takes seconds.
+pytestmark = pytest.mark.slow
+
+DISAGGREGATED = str(REPO / "deploy/local/tiny-disaggregated.yaml")
+AGGREGATED = str(REPO / "deploy/local/tiny-aggregated.yaml")
+
+
+def _wait_gone(pids: set[int], seconds: float) -> set[int]:
+    deadline = time.monotonic() + seconds
+    alive = {pid for pid in pids if is_alive(pid)}
+    while alive and time.monotonic() < deadline:
+        time.sleep(0.05)
+        alive = {pid for pid in alive if is_alive(pid)}
+    return alive
+
+
+@pytest.mark.parametrize(("file", "workers"), [(DISAGGREGATED, {"prefill-0", "decode-0"}), (AGGREGATED, {"worker-0"})])
+def test_up_serves_through_the_router_and_stops_cleanly_on_sigterm(
+    file: str, workers: set[str], tmp_path: Path
+) -> None:
+    up = start_up("--engine", "sim", "-f", file, "--port", "0", run_dir=tmp_path)
+    try:
+        endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=60).group(1)
+        state = up.process_state()
+        assert {entry["name"] for entry in state} == {*workers, "router"}
+        children = up.children()
+        assert {int(str(entry["pid"])) for entry in state} <= children
+        ports = [int(str(entry["port"])) for entry in state]
+
+        client = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=30)
+        completion = client.completions.create(model="tiny-llama", prompt="Hello, my name is", max_tokens=8)
+        assert completion.choices[0].text.strip(), "the stack should generate text"
+        assert completion.usage is not None and completion.usage.completion_tokens == 8
+
+        up.popen.send_signal(signal.SIGTERM)
+        assert up.popen.wait(timeout=30) == 0
+    finally:
+        if up.popen.poll() is None:
+            up.popen.kill()
+    assert _wait_gone(children, 5) == set(), "every process `up` started must be gone"
+    assert all(is_port_free(port) for port in ports)
+    up.wait_for_line(re.compile(r"stopped 3 processes|stopped 2 processes"), seconds=5)
+
+
+def test_smoke_sends_one_request_and_exits(tmp_path: Path) -> None:
+    up = start_up("--engine", "sim", "-f", DISAGGREGATED, "--port", "0", "--smoke", run_dir=tmp_path)
+    assert up.popen.wait(timeout=60) == 0, up.stderr()
+    up.wait_for_line(re.compile(r"^answer: '.+'$"), seconds=5)
+    assert _wait_gone(up.children() | {int(str(e["pid"])) for e in up.process_state()}, 5) == set()
+
+
+def test_a_worker_that_dies_while_serving_stops_everything(tmp_path: Path) -> None:
+    up = start_up("--engine", "sim", "-f", DISAGGREGATED, "--port", "0", run_dir=tmp_path)
+    try:
+        up.wait_for_line(ENDPOINT_LINE, seconds=60)
+        state = {str(entry["name"]): int(str(entry["pid"])) for entry in up.process_state()}
+        os.kill(state["decode-0"], signal.SIGKILL)
+        assert up.popen.wait(timeout=30) == 1
+    finally:
+        if up.popen.poll() is None:
+            up.popen.kill()
+    assert "decode-0 exited with code -9" in up.stderr()
+    assert _wait_gone(set(state.values()), 5) == set()
+
+
+def test_exit_after_stops_by_itself(tmp_path: Path) -> None:
+    up = start_up("--engine", "sim", "-f", AGGREGATED, "--port", "0", "--exit-after", "0.5", run_dir=tmp_path)
+    assert up.popen.wait(timeout=60) == 0, up.stderr()
+    up.wait_for_line(re.compile(r"time limit: stopping"), seconds=5)

@@ -1,0 +1,78 @@
+"""Driving `splitserve up` as a subprocess in tests: start it, read its lines, find its children."""
+
+from __future__ import annotations
+
+import json
+import queue
+import re
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from splitserve.local.procs import descendants
+
+ENDPOINT_LINE = re.compile(r"OpenAI endpoint: (http://127\.0\.0\.1:(\d+)/v1)")
+
+
+@dataclass
+class UpRun:
+    popen: subprocess.Popen[str]
+    run_dir: Path
+    lines: list[str] = field(default_factory=list)
+    _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
+
+    def _pump(self) -> None:
+        assert self.popen.stdout is not None
+        for line in self.popen.stdout:
+            self._queue.put(line.rstrip("\n"))
+        self._queue.put(None)
+
+    def wait_for_line(self, pattern: re.Pattern[str], seconds: float) -> re.Match[str]:
+        deadline = time.monotonic() + seconds
+        while time.monotonic() < deadline:
+            try:
+                line = self._queue.get(timeout=max(0.01, deadline - time.monotonic()))
+            except queue.Empty:
+                break
+            if line is None:
+                break
+            self.lines.append(line)
+            match = pattern.search(line)
+            if match:
+                return match
+        raise AssertionError(f"no line matching {pattern.pattern!r}; output so far:\n" + "\n".join(self.lines))
+
+    def process_state(self) -> list[dict[str, object]]:
+        processes: list[dict[str, object]] = json.loads((self.run_dir / "run.json").read_text())["processes"]
+        return processes
+
+    def children(self) -> set[int]:
+        return descendants(self.popen.pid)
+
+    def stderr(self) -> str:
+        assert self.popen.stderr is not None
+        return self.popen.stderr.read()
+
+
+def start_up(*args: str, run_dir: Path) -> UpRun:
+    popen = subprocess.Popen(
+        [sys.executable, "-m", "splitserve", "up", "--run-dir", str(run_dir), *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    run = UpRun(popen=popen, run_dir=run_dir)
+    threading.Thread(target=run._pump, daemon=True).start()
+    return run
+
+
+def run_up(*args: str, run_dir: Path, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "splitserve", "up", "--run-dir", str(run_dir), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
