@@ -6,6 +6,7 @@ from typing import Any
 
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
+
 from splitserve.sim import Role, SimConfig
 
 PREFILL_PARAMS: dict[str, Any] = {

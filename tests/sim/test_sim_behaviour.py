@@ -10,6 +10,7 @@ import time
 import aiohttp
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import fast_config, plain_values, post, sample
+
 from splitserve.sim import SimWorker, generate_text, tokenize
 
 EXPECTED_TYPES = {

@@ -8,6 +8,7 @@ import dataclasses
 import aiohttp
 import pytest
 from sim_helpers import fast_config, plain_values, post
+
 from splitserve.sim import FaultConfig, SimWorker
 
 BODY = {"prompt": "tell me a story", "max_tokens": 8}

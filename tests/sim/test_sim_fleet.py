@@ -12,6 +12,7 @@ import time
 
 import aiohttp
 from sim_helpers import fast_config, post
+
 from splitserve.sim import Role, SimConfig, SimFleet, generate_text, tokenize
 
 
@@ -35,7 +36,8 @@ async def test_thirty_sims_in_one_process_start_and_answer(http: aiohttp.ClientS
 
 
 async def test_replicas_get_distinct_engine_ids_and_ports() -> None:
-    async with SimFleet.replicas(fast_config(role=Role.PREFILL), 4) as fleet:
+    async with SimFleet.replicas(fast_config(role="prefill"), 4) as fleet:  # type: ignore[arg-type]
+        assert all(w.role is Role.PREFILL for w in fleet.workers)
         assert len({w.engine_id for w in fleet.workers}) == 4
         assert len({w.port for w in fleet.workers}) == 4
 

@@ -9,6 +9,7 @@ import aiohttp
 import openai
 import pytest
 from sim_helpers import fast_config, post
+
 from splitserve.sim import SimWorker, chat_prompt, generate_text, tokenize
 
 PROMPT = "Summarise the plot of Hamlet, please."

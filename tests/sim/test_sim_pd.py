@@ -9,6 +9,7 @@ from typing import Any
 
 import aiohttp
 from sim_helpers import PREFILL_PARAMS, fast_config, post, sample
+
 from splitserve.sim import Role, SimWorker, generate_text, tokenize
 
 PROMPT = "Explain disaggregated prefill and decode in one paragraph, with an example."
@@ -65,6 +66,7 @@ async def test_handshake_end_to_end(http: aiohttp.ClientSession) -> None:
 
         prompt_tokens = len(tokenize(PROMPT))
         assert external_tokens(d) == prompt_tokens
+        assert d.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") == prompt_tokens
         assert sample(d.metrics_text(), "vllm:prompt_tokens_by_source_total", source="local_compute") == 0
         assert sample(agg.metrics_text(), "vllm:prompt_tokens_by_source_total", source="local_compute") == prompt_tokens
         assert kv_usage(p) == 0  # pulled, so freed

@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from splitserve.sim.config import EngineLimits
 from splitserve.sim.scheduler import Phase, Scheduler, Sequence
 from splitserve.sim.tokens import generate_text, output_text

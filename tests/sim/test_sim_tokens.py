@@ -2,6 +2,7 @@ from __future__ import annotations
 
 from hypothesis import given
 from hypothesis import strategies as st
+
 from splitserve.sim.tokens import (
     OUTPUT_WORDS,
     block_hashes,

@@ -127,6 +127,10 @@ class SimConfig:
     """Seeds the random fault injection (generated text never depends on it)."""
     drain_timeout_s: float = 30.0
 
+    def __post_init__(self) -> None:
+        # Accept plain strings ("decode") from callers that build configs from text.
+        object.__setattr__(self, "role", Role(self.role))
+
     @classmethod
     def from_profile(cls, profile: str = "cpu-tiny", **overrides: object) -> SimConfig:
         """Config with ``profile``'s latency and limits; ``overrides`` replace any top-level field."""

@@ -149,6 +149,10 @@ class SimEngine:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-engine-{self.engine_id}")
 
     async def stop(self) -> None:
+        """Stop the loop; requests still in the engine get a 503 error event so their handlers end."""
+        for request in self._requests.values():
+            request.events.put_nowait(ErrorEvent(503, "The engine stopped before the request finished."))
+        self._requests.clear()
         tasks = [t for t in (self._loop_task, *self._pull_tasks) if t is not None]
         for task in tasks:
             task.cancel()

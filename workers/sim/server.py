@@ -17,6 +17,7 @@ from typing import TypeVar
 import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
+
 from splitserve.sim.config import FaultConfig, Role, SimConfig
 from splitserve.sim.engine import (
     EngineRequest,
@@ -131,7 +132,7 @@ class SimWorker:
             ]
         )
         # handler_cancellation: a client that disconnects aborts its request, as in vLLM.
-        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True)
+        self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
         await self._runner.setup()
         site = web.TCPSite(self._runner, self.config.host, self.config.port, reuse_address=True)
         await site.start()
@@ -177,6 +178,15 @@ class SimWorker:
 
     def metrics_text(self) -> str:
         return self._engine().metrics.exposition().decode()
+
+    def metric(self, name: str, **labels: str) -> float:
+        """Current value of one sample, e.g. ``metric("vllm:num_requests_waiting")`` or
+        ``metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")``."""
+        all_labels = {"model_name": self.config.model, "engine": "0", **labels}
+        value = self._engine().metrics.registry.get_sample_value(name, all_labels)
+        if value is None:
+            raise KeyError(f"no sample {name}{labels}")
+        return value
 
     @property
     def in_flight(self) -> int:
@@ -414,9 +424,18 @@ class SimFleet:
 
     @classmethod
     def replicas(cls, config: SimConfig, count: int) -> SimFleet:
-        """``count`` copies of ``config``; with a fixed port, replica ``i`` listens on port + i."""
+        """``count`` copies of ``config``; with fixed ports, replica ``i`` listens on port + i."""
+
+        def shifted(port: int | None, i: int) -> int | None:
+            return port + i if port else port
+
         return cls(
-            dataclasses.replace(config, port=config.port + i if config.port else 0, engine_id=None)
+            dataclasses.replace(
+                config,
+                port=shifted(config.port, i) or 0,
+                side_channel_port=shifted(config.side_channel_port, i),
+                engine_id=None,
+            )
             for i in range(count)
         )
 
