@@ -90,11 +90,16 @@ class HttpFrontend:
         if path.startswith(CONTROL_PREFIX):
             return self._serve_control(raw_request.method, path)
         target = parse_resource_path(path, self.api.registry)
+        # A watch stays open for minutes: log it when it starts, not when it ends.
+        watching = verb_for(raw_request.method, target, params) == "watch"
+        if watching:
+            self._record(raw_request, target, params, 200)
         try:
             response = await self._dispatch(raw_request, target, params, body)
         except errors.ApiError as e:
             response = _error_response(e)
-        self._record(raw_request, target, params, response.status)
+        if not watching:
+            self._record(raw_request, target, params, response.status)
         return response
 
     def _record(
