@@ -332,12 +332,24 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     gpu = inp.gpus[worst_pool].gpu
     kv_per_token = facts.kv_shape.bytes_per_token(prec_worst.kv_bytes)
     options = _fit_options(inp, pool, prec_worst, kv_per_token, gpu.memory_gib, required, gpu.native_fp8)
-    why = (
-        f"weights {worst.weights_per_gpu_gib:.1f} GiB/GPU exceed the {worst.usable_per_gpu_gib:.1f} GiB budget"
-        if worst.state == "does not fit"
-        else f"weights take {_pct(worst.weight_share)} of usable memory, "
-        f"KV cache only {_tokens(worst.kv_tokens)} tokens"
-    )
+    if worst.state == "does not fit":
+        why = f"weights {worst.weights_per_gpu_gib:.1f} GiB/GPU exceed the {worst.usable_per_gpu_gib:.1f} GiB budget"
+    elif worst.weight_share >= TIGHT_WEIGHT_SHARE:
+        why = (
+            f"weights take {_pct(worst.weight_share)} of usable memory, KV cache only {_tokens(worst.kv_tokens)} tokens"
+        )
+    else:
+        why = (
+            f"KV cache holds {_tokens(worst.kv_tokens)} tokens, less than one {required}-token sequence "
+            "(vLLM refuses to start)"
+        )
+        shortest = min(fit.kv_tokens for fit, _ in per_pool.values())
+        max_len = int(shortest // 1024 * 1024)
+        if max_len >= 1024:
+            limit = Alternative(
+                f"limit model.maxModelLen to {max_len} tokens (no extra GPUs)", {"model": {"maxModelLen": max_len}}
+            )
+            options = [limit, *options]
     affected = [name for name, (fit, _) in per_pool.items() if fit.state == worst.state]
     verdict = f"{worst.state}: {' and '.join(affected)} pool{'s' if len(affected) > 1 else ''}, {why}"
     if not options:
