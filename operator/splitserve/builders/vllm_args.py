@@ -1,0 +1,189 @@
+"""The one place that turns an InferenceDeployment spec into vLLM's command line.
+
+The operator puts the result into worker pods' container args, and `splitserve worker -f` runs it
+directly, so both paths start exactly the same engine. Pure: no I/O, deterministic order.
+"""
+
+from __future__ import annotations
+
+import json
+import posixpath
+from dataclasses import dataclass, field
+from typing import Any
+
+from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
+
+# Where the operator mounts a model PVC inside worker pods.
+MODEL_MOUNT_PATH = "/models"
+# Without an explicit KV cache size, vLLM-CPU sizes the cache from the NUMA node it pins to and
+# start-up fails when several instances share the machine; 256 MiB holds ~2k tokens of the tiny model.
+CPU_DEFAULT_KV_CACHE_BYTES = "256M"
+CPU_BLOCK_SIZE = 128
+
+# vLLM's KV connector roles.
+KV_PRODUCER = "kv_producer"
+KV_CONSUMER = "kv_consumer"
+KV_BOTH = "kv_both"
+
+
+@dataclass(frozen=True)
+class EngineLaunch:
+    """What starts one engine: vLLM server arguments and the environment it needs."""
+
+    args: list[str]  # after `vllm serve` / `python -m vllm.entrypoints.openai.api_server`; starts with --model
+    env: dict[str, str] = field(default_factory=dict)  # role-specific, never host-specific
+
+
+def model_location(spec: InferenceDeploymentSpec) -> str:
+    """What vLLM's --model gets: an HF repo id, the PVC mount path plus the model's directory, or the uri."""
+    source = spec.model.source
+    if source.hugging_face is not None:
+        return source.hugging_face.repo
+    if source.pvc is not None:
+        # Normalised as an absolute path first, so ".." cannot climb out of the mount.
+        inside = posixpath.normpath("/" + source.pvc.path).lstrip("/")
+        return posixpath.join(MODEL_MOUNT_PATH, inside) if inside else MODEL_MOUNT_PATH
+    if source.uri is not None:
+        return source.uri
+    raise ValueError("model.source needs exactly one of huggingFace, pvc or uri")
+
+
+def role_pool(spec: InferenceDeploymentSpec, role: Role) -> PoolSpec:
+    """The pool whose settings a role runs with; an aggregated engine uses the decode pool."""
+    return spec.prefill if role == Role.PREFILL else spec.decode
+
+
+def _json(value: dict[str, Any]) -> str:
+    # Compact and key-ordered by construction, so rendered manifests do not churn.
+    return json.dumps(value, separators=(",", ":"))
+
+
+def speculative_config(spec: InferenceDeploymentSpec) -> dict[str, Any] | None:
+    speculative = spec.engine.speculative_decoding
+    if speculative.method == "ngram":
+        return {
+            "method": "ngram",
+            "num_speculative_tokens": speculative.num_speculative_tokens,
+            "prompt_lookup_max": speculative.ngram_prompt_lookup_max,
+        }
+    if speculative.method == "draft":
+        if not speculative.draft_model:
+            raise ValueError("speculativeDecoding.method 'draft' needs speculativeDecoding.draftModel")
+        return {"model": speculative.draft_model, "num_speculative_tokens": speculative.num_speculative_tokens}
+    return None
+
+
+def kv_transfer_config(spec: InferenceDeploymentSpec, role: Role, *, cpu: bool = False) -> dict[str, Any] | None:
+    """vLLM's --kv-transfer-config for a role, or None when the role moves no KV.
+
+    An aggregated engine computes its own prefill, so it gets no connector even when the spec names one.
+    """
+    connector = spec.kv_transfer.connector
+    if role == Role.AGGREGATED or connector == Connector.NONE:
+        return None
+    producer = role == Role.PREFILL
+    directed_role = KV_PRODUCER if producer else KV_CONSUMER
+    if connector == Connector.NIXL:
+        # A CPU engine has no CUDA memory to stage blocks in, whatever the spec says.
+        device = "cpu" if cpu else spec.kv_transfer.buffer_device
+        return {"kv_connector": connector.value, "kv_role": directed_role, "kv_buffer_device": device}
+    if connector == Connector.EXAMPLE:
+        # Both sides read and write the shared directory, keyed by prompt hash.
+        return {
+            "kv_connector": connector.value,
+            "kv_role": KV_BOTH,
+            "kv_connector_extra_config": {"shared_storage_path": spec.kv_transfer.shared_storage_path},
+        }
+    if connector == Connector.LMCACHE:
+        # As in vLLM's disagg_prefill_lmcache_v1 example: one LMCache RPC endpoint name per side.
+        return {
+            "kv_connector": connector.value,
+            "kv_role": directed_role,
+            "kv_connector_extra_config": {
+                "discard_partial_chunks": False,
+                "lmcache_rpc_port": "producer1" if producer else "consumer1",
+            },
+        }
+    if connector == Connector.MOONCAKE:
+        return {"kv_connector": connector.value, "kv_role": directed_role}
+    raise ValueError(f"unknown KV connector {connector!r}")
+
+
+def _flag(name: str, enabled: bool) -> str:
+    return f"--{name}" if enabled else f"--no-{name}"
+
+
+def build_engine_launch(
+    spec: InferenceDeploymentSpec,
+    role: Role,
+    *,
+    port: int | None = None,
+    model: str | None = None,
+    cpu: bool = False,
+    kv_cache_memory_bytes: str | None = None,
+) -> EngineLaunch:
+    """vLLM arguments and environment for one engine of `role`.
+
+    `model` replaces the spec's model location (a local copy); `cpu` adapts the engine to vLLM-CPU
+    (eager mode, float32 for dtype auto, an explicit KV cache size instead of GPU memory utilization).
+    The engine's extraArgs then the pool's come last, so a user can override anything set here.
+    """
+    engine = spec.engine
+    pool = role_pool(spec, role)
+    dtype = "float32" if cpu and spec.model.dtype == "auto" else spec.model.dtype
+    args = [
+        "--model",
+        model if model is not None else model_location(spec),
+        "--served-model-name",
+        spec.model.name,
+        "--host",
+        "0.0.0.0",
+        "--port",
+        str(port if port is not None else engine.port),
+        "--dtype",
+        dtype,
+    ]
+    hugging_face = spec.model.source.hugging_face
+    if hugging_face is not None and model is None:
+        args += ["--revision", hugging_face.revision]
+    if spec.model.quantization != "none":
+        args += ["--quantization", spec.model.quantization]
+    if spec.model.max_model_len is not None:
+        args += ["--max-model-len", str(spec.model.max_model_len)]
+    args += ["--tensor-parallel-size", str(pool.tensor_parallel_size)]
+    args.append(_flag("enable-prefix-caching", engine.prefix_caching))
+    args.append(_flag("enable-chunked-prefill", engine.chunked_prefill))
+    speculative = speculative_config(spec)
+    if speculative is not None:
+        args += ["--speculative-config", _json(speculative)]
+    if cpu:
+        args += ["--enforce-eager", "--kv-cache-memory-bytes", kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES]
+    else:
+        args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
+        if kv_cache_memory_bytes is not None:
+            args += ["--kv-cache-memory-bytes", kv_cache_memory_bytes]
+    if engine.block_size is not None:
+        args += ["--block-size", str(engine.block_size)]
+    if engine.max_num_seqs is not None:
+        args += ["--max-num-seqs", str(engine.max_num_seqs)]
+    transfer = kv_transfer_config(spec, role, cpu=cpu)
+    if transfer is not None:
+        args += ["--kv-transfer-config", _json(transfer)]
+    args += engine.extra_args
+    args += pool.extra_args
+    return EngineLaunch(args=args, env=engine_env(spec, role))
+
+
+def engine_env(spec: InferenceDeploymentSpec, role: Role) -> dict[str, str]:
+    """Environment an engine of `role` needs. The user's engine.env comes last and wins.
+
+    Entries with valueFrom belong to the pod spec (they need the API server), so they are left out.
+    """
+    env: dict[str, str] = {}
+    transfer = kv_transfer_config(spec, role)
+    if transfer is not None and spec.kv_transfer.connector == Connector.NIXL:
+        env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_transfer.side_channel_port)
+    for var in spec.engine.env:
+        if var.value is not None:
+            env[var.name] = var.value
+    return env
