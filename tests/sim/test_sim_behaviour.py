@@ -33,6 +33,10 @@ EXPECTED_TYPES = {
     "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_inference_time_seconds": "histogram",
+    "vllm:request_prompt_tokens": "histogram",
+    "vllm:request_generation_tokens": "histogram",
+    "vllm:cache_config_info": "gauge",
 }
 
 
@@ -56,6 +60,8 @@ async def test_metrics_have_vllm_names_types_and_labels(http: aiohttp.ClientSess
     assert sample(text, "vllm:inter_token_latency_seconds_count") == 4
     assert sample(text, "vllm:e2e_request_latency_seconds_count") == 1
     assert sample(text, "vllm:request_success_total", finished_reason="length") == 1
+    assert sample(text, "vllm:request_generation_tokens_sum") == 5
+    assert sample(text, "vllm:cache_config_info", block_size="128", num_gpu_blocks="512") == 1
 
 
 async def test_requests_wait_when_kv_is_full_and_complete_later(http: aiohttp.ClientSession) -> None:
@@ -123,3 +129,17 @@ async def test_prefix_cache_hits_cut_time_to_first_token(http: aiohttp.ClientSes
     assert sample(text, "vllm:prefix_cache_hits_total") == 11 * 128
     assert sample(text, "vllm:prefix_cache_queries_total") == 2 * 1502
     assert sample(text, "vllm:prompt_tokens_by_source_total", source="local_cache_hit") == 11 * 128
+
+
+async def test_kv_pressure_preempts_and_recomputes_without_changing_output(http: aiohttp.ClientSession) -> None:
+    # Four 16-token blocks; each request grows from 10 to 50 tokens (4 blocks), so two running
+    # requests cannot both grow: the newer is preempted and finishes after recomputation.
+    limits = dataclasses.replace(fast_config().limits, block_size=16, num_kv_blocks=4, max_model_len=64)
+    async with SimWorker(fast_config(limits=limits)) as worker:
+        prompts = ["one two three four five six seven eight nine ten", "a b c d e f g h i j"]
+        replies = await asyncio.gather(
+            *(post(http, worker.url + "/v1/completions", {"prompt": p, "max_tokens": 40}) for p in prompts)
+        )
+        assert worker.metric("vllm:num_preemptions_total") >= 1
+    for prompt, (status, body) in zip(prompts, replies, strict=True):
+        assert status == 200 and body["choices"][0]["text"] == generate_text(tokenize(prompt), 40)

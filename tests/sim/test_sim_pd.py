@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp
 from sim_helpers import PREFILL_PARAMS, fast_config, post, sample
 
-from splitserve.sim import Role, SimWorker, generate_text, tokenize
+from splitserve.sim import KVLoadFailurePolicy, Role, SimWorker, generate_text, tokenize
 
 PROMPT = "Explain disaggregated prefill and decode in one paragraph, with an example."
 
@@ -183,3 +183,15 @@ async def test_held_kv_counts_against_prefill_capacity(http: aiohttp.ClientSessi
         for params, prompt in ((second, "second prompt"), (third.result(), "third prompt")):
             status, _ = await decode(http, d, params, prompt=prompt)
             assert status == 200
+
+
+async def test_recompute_policy_prefills_locally_after_a_failed_pull(http: aiohttp.ClientSession) -> None:
+    config = fast_config(Role.DECODE, kv_load_failure_policy=KVLoadFailurePolicy.RECOMPUTE)
+    async with SimWorker(fast_config(Role.PREFILL)) as p, SimWorker(config) as d:
+        params = await prefill(http, p)
+        status, body = await decode(http, d, {**params, "remote_engine_id": "gone"})
+        assert status == 200
+        assert body["choices"][0]["text"] == generate_text(tokenize(PROMPT), 12)
+        assert failed_transfers(d) == 1
+        assert external_tokens(d) == 0
+        assert d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") == len(tokenize(PROMPT))

@@ -11,6 +11,7 @@ Python
         worker.engine_id      # advertised as kv_transfer_params.remote_engine_id
         worker.faults.status = 500      # same as POST /admin/faults {"status": 500}
         worker.metrics_text() # the /metrics exposition
+        worker.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")  # one sample
         await worker.drain()  # 503 for new requests, finish in-flight ones, stop
     async with SimFleet.replicas(config, 16) as fleet:   # or SimFleet([cfg1, cfg2, ...])
         fleet.urls / fleet.workers
@@ -18,8 +19,9 @@ Python
     Config: ``SimConfig`` (frozen dataclass) with ``role``, ``host``, ``port``, ``model``,
     ``latency: LatencyModel``, ``limits: EngineLimits``, ``time_scale``, ``kv_hold_timeout_s``,
     ``side_channel_port``, ``advertise_host``, ``engine_id``, ``faults: FaultConfig``, ``seed``,
-    ``drain_timeout_s``. ``PROFILES`` (in ``config.py``) is the calibration table of profiles
-    ``cpu-tiny`` and ``gpu-h100-8b``; ``SimConfig.from_profile(name, **overrides)`` starts from one.
+    ``drain_timeout_s``, ``kv_load_failure_policy`` (fail | recompute). ``PROFILES`` (in
+    ``config.py``) is the calibration table of profiles ``cpu-tiny`` and ``gpu-h100-8b``;
+    ``SimConfig.from_profile(name, **overrides)`` starts from one.
     ``tokens.generate_text(tokenize(prompt), n)`` gives the exact text a sim answers for a prompt.
 
 CLI
@@ -29,6 +31,7 @@ CLI
         [--kv-transfer-overhead-s S] [--kv-transfer-per-block-s S] [--block-size N] [--num-kv-blocks N]
         [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N] [--no-prefix-caching]
         [--kv-hold-timeout-s S] [--side-channel-port P] [--advertise-host H] [--engine-id ID]
+        [--kv-load-failure-policy fail|recompute]
         [--fail-rate P] [--fail-after-tokens N] [--fail-status CODE] [--seed N] [--drain-timeout-s S]
     Prints one JSON line per worker when it listens: {"event": "ready", "role", "url", "engine_id"}.
     SIGTERM/SIGINT: drain (new requests get 503, /health 503), then exit 0 (1 if the drain timed out).
@@ -58,8 +61,9 @@ aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
        "request_id", "prompt_digest", "transfer_seconds"} (the prefill side waits out the transfer time,
        then frees the blocks), then decodes. Its text equals an aggregated worker's for that prompt.
        Unknown engine, unknown/expired blocks, another prompt or an unreachable peer: HTTP 500 whose
-       message starts "KV transfer failed", and ``vllm:nixl_num_failed_transfers_total`` rises.
-       Malformed params: HTTP 400.
+       message starts "KV transfer failed", and ``vllm:nixl_num_failed_transfers_total`` rises
+       (with ``kv_load_failure_policy=recompute`` the decode worker prefills locally instead and
+       answers normally; the counter still rises). Malformed params: HTTP 400.
 
 Model of the engine: one asyncio step loop per worker does continuous batching (see scheduler.py):
 each step decodes one token for every running sequence and prefills prompt chunks within
@@ -69,7 +73,16 @@ cache cuts prefill for shared prompt prefixes. Tokenization and output text: see
 (words and punctuation marks are tokens; output tokens are pseudo words hashed from prompt + position).
 """
 
-from splitserve.sim.config import PROFILES, EngineLimits, FaultConfig, LatencyModel, Profile, Role, SimConfig
+from splitserve.sim.config import (
+    PROFILES,
+    EngineLimits,
+    FaultConfig,
+    KVLoadFailurePolicy,
+    LatencyModel,
+    Profile,
+    Role,
+    SimConfig,
+)
 from splitserve.sim.server import FaultState, SimFleet, SimWorker, run_event_loop, serve
 from splitserve.sim.tokens import chat_prompt, generate_text, tokenize
 
@@ -78,6 +91,7 @@ __all__ = [
     "EngineLimits",
     "FaultConfig",
     "FaultState",
+    "KVLoadFailurePolicy",
     "LatencyModel",
     "Profile",
     "Role",

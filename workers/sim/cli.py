@@ -8,7 +8,15 @@ import json
 import logging
 import sys
 
-from splitserve.sim.config import PROFILES, EngineLimits, FaultConfig, LatencyModel, Role, SimConfig
+from splitserve.sim.config import (
+    PROFILES,
+    EngineLimits,
+    FaultConfig,
+    KVLoadFailurePolicy,
+    LatencyModel,
+    Role,
+    SimConfig,
+)
 from splitserve.sim.server import SimWorker, run_event_loop, serve
 
 _LATENCY_FIELDS = [f.name for f in dataclasses.fields(LatencyModel)]
@@ -34,6 +42,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     kv.add_argument("--kv-hold-timeout-s", type=float, default=480.0, help="free unpulled prefill KV after this")
     kv.add_argument("--side-channel-port", type=int, default=None, help="extra port for KV pulls")
     kv.add_argument("--advertise-host", default=None, help="host put in kv_transfer_params.remote_host")
+    kv.add_argument(
+        "--kv-load-failure-policy",
+        choices=[p.value for p in KVLoadFailurePolicy],
+        default=KVLoadFailurePolicy.FAIL.value,
+        help="decode side, when a KV pull fails: answer an error, or prefill locally",
+    )
     kv.add_argument("--engine-id", default=None, help="remote_engine_id to advertise (default: random UUID)")
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fail-rate", type=float, default=0.0, help="fraction of requests answered with 500")
@@ -70,6 +84,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         faults=FaultConfig(args.fail_rate, args.fail_after_tokens, args.fail_status),
         seed=args.seed,
         drain_timeout_s=args.drain_timeout_s,
+        kv_load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
     )
 
 

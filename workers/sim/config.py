@@ -20,6 +20,13 @@ class Role(StrEnum):
     AGGREGATED = "aggregated"
 
 
+class KVLoadFailurePolicy(StrEnum):
+    """What a decode engine does when pulling remote KV fails (vLLM's kv_load_failure_policy)."""
+
+    FAIL = "fail"
+    RECOMPUTE = "recompute"
+
+
 @dataclass(frozen=True)
 class LatencyModel:
     """How long engine work takes, in seconds of (unscaled) simulated time.
@@ -126,10 +133,13 @@ class SimConfig:
     seed: int = 0
     """Seeds the random fault injection (generated text never depends on it)."""
     drain_timeout_s: float = 30.0
+    kv_load_failure_policy: KVLoadFailurePolicy = field(default_factory=lambda: KVLoadFailurePolicy.FAIL)
+    """Decode side, when a KV pull fails: answer an error ("fail") or prefill locally ("recompute")."""
 
     def __post_init__(self) -> None:
         # Accept plain strings ("decode") from callers that build configs from text.
         object.__setattr__(self, "role", Role(self.role))
+        object.__setattr__(self, "kv_load_failure_policy", KVLoadFailurePolicy(self.kv_load_failure_policy))
 
     @classmethod
     def from_profile(cls, profile: str = "cpu-tiny", **overrides: object) -> SimConfig:

@@ -15,7 +15,7 @@ import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
-from splitserve.sim.config import SimConfig
+from splitserve.sim.config import KVLoadFailurePolicy, SimConfig
 from splitserve.sim.metrics import LiveState, SimMetrics
 from splitserve.sim.scheduler import Phase, Scheduler, Sequence, StepPlan
 
@@ -127,6 +127,7 @@ class SimEngine:
         self.scheduler = Scheduler(config.limits)
         self.metrics = SimMetrics(
             config.model,
+            config.limits,
             LiveState(
                 running=lambda: float(len(self.scheduler.running)),
                 waiting_for_capacity=lambda: float(self.scheduler.num_waiting_for_capacity),
@@ -147,12 +148,23 @@ class SimEngine:
 
     def start(self) -> None:
         self._loop_task = asyncio.get_running_loop().create_task(self._run(), name=f"sim-engine-{self.engine_id}")
+        self._loop_task.add_done_callback(self._loop_ended)
+
+    def _loop_ended(self, task: asyncio.Task[None]) -> None:
+        if task.cancelled() or task.exception() is None:
+            return
+        # A bug in the simulator must not leave clients hanging: fail everything that is pending.
+        log.error("simulated engine loop crashed", exc_info=task.exception())
+        self._fail_pending(500, f"The simulated engine crashed: {task.exception()!r}")
+
+    def _fail_pending(self, status: int, message: str) -> None:
+        for request in self._requests.values():
+            request.events.put_nowait(ErrorEvent(status, message))
+        self._requests.clear()
 
     async def stop(self) -> None:
         """Stop the loop; requests still in the engine get a 503 error event so their handlers end."""
-        for request in self._requests.values():
-            request.events.put_nowait(ErrorEvent(503, "The engine stopped before the request finished."))
-        self._requests.clear()
+        self._fail_pending(503, "The engine stopped before the request finished.")
         tasks = [t for t in (self._loop_task, *self._pull_tasks) if t is not None]
         for task in tasks:
             task.cancel()
@@ -167,6 +179,9 @@ class SimEngine:
     # --- requests ----------------------------------------------------------------------------
 
     def submit(self, request: EngineRequest) -> None:
+        if self._loop_task is None or self._loop_task.done():
+            request.events.put_nowait(ErrorEvent(503, "The simulated engine is not running."))
+            return
         self._requests[request.seq] = request
         self.scheduler.add(request.seq)
         self._wake.set()
@@ -255,6 +270,11 @@ class SimEngine:
             await self._puller(remote, pull)
         except KVTransferError as error:
             self.metrics.nixl_failed_transfers.inc()
+            if self.config.kv_load_failure_policy is KVLoadFailurePolicy.RECOMPUTE:
+                log.warning("KV pull for %s failed (%s); recomputing the prefill", request.seq.request_id, error)
+                self.scheduler.pull_failed_recompute(request.seq)
+                self._wake.set()
+                return
             self.scheduler.abort(request.seq)
             self._requests.pop(request.seq, None)
             request.events.put_nowait(
@@ -345,6 +365,9 @@ class SimEngine:
         first_token = request.first_token or now
         self.metrics.request_prefill_time.observe(first_token - (request.scheduled or request.arrival))
         self.metrics.request_decode_time.observe(now - first_token)
+        self.metrics.request_inference_time.observe(now - (request.scheduled or request.arrival))
+        self.metrics.request_prompt_tokens.observe(request.seq.num_prompt_tokens)
+        self.metrics.request_generation_tokens.observe(len(request.seq.output))
 
     def phase_of(self, request: EngineRequest) -> Phase:
         return request.seq.phase

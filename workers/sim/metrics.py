@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
+from splitserve.sim.config import EngineLimits
+
 # Bucket boundaries copied from vLLM's v1 Prometheus logger, so dashboards and quantile queries
 # behave the same against the simulator.
 TTFT_BUCKETS = (
@@ -39,8 +41,21 @@ class LiveState:
     kv_usage: Callable[[], float]
 
 
+def token_count_buckets(max_model_len: int) -> tuple[float, ...]:
+    """1, 2, 5, 10, 20, 50, ... up to max_model_len, as vLLM builds its token-count buckets."""
+    buckets: list[float] = []
+    exponent = 0
+    while True:
+        for mantissa in (1, 2, 5):
+            value = mantissa * 10**exponent
+            if value > max_model_len:
+                return tuple(buckets)
+            buckets.append(float(value))
+        exponent += 1
+
+
 class SimMetrics:
-    def __init__(self, model_name: str, live: LiveState) -> None:
+    def __init__(self, model_name: str, limits: EngineLimits, live: LiveState) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
@@ -70,6 +85,19 @@ class SimMetrics:
         )
         by_reason.labels(**labels, reason="capacity").set_function(live.waiting_for_capacity)
         by_reason.labels(**labels, reason="deferred").set_function(live.deferred)
+
+        cache_info = {
+            "block_size": str(limits.block_size),
+            "num_gpu_blocks": str(limits.num_kv_blocks),
+            "enable_prefix_caching": str(limits.enable_prefix_caching),
+            "cache_dtype": "auto",
+        }
+        Gauge(
+            "vllm:cache_config_info",
+            "Information of the LLMEngine CacheConfig",
+            [*names, *cache_info],
+            registry=registry,
+        ).labels(**labels, **cache_info).set(1)
 
         self.prefix_cache_queries = counter(
             "vllm:prefix_cache_queries", "Prefix cache queries, in terms of number of queried tokens."
@@ -124,6 +152,19 @@ class SimMetrics:
         self.request_decode_time = histogram(
             "vllm:request_decode_time_seconds",
             "Histogram of time spent in DECODE phase for request.",
+            REQUEST_LATENCY_BUCKETS,
+        )
+
+        token_buckets = token_count_buckets(limits.max_model_len)
+        self.request_prompt_tokens = histogram(
+            "vllm:request_prompt_tokens", "Number of prefill tokens processed.", token_buckets
+        )
+        self.request_generation_tokens = histogram(
+            "vllm:request_generation_tokens", "Number of generation tokens processed.", token_buckets
+        )
+        self.request_inference_time = histogram(
+            "vllm:request_inference_time_seconds",
+            "Histogram of time spent in RUNNING phase for request.",
             REQUEST_LATENCY_BUCKETS,
         )
 

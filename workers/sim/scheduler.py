@@ -166,6 +166,16 @@ class Scheduler:
         seq.phase = Phase.READY
         self.ready.append(seq)
 
+    def pull_failed_recompute(self, seq: Sequence) -> None:
+        """The remote KV of ``seq`` is lost: prefill it locally instead, ahead of other waiting work."""
+        if seq.phase is not Phase.PULLING:
+            return
+        self.pulling.discard(seq)
+        self._release(seq)
+        seq.remote_prefill = False
+        seq.phase = Phase.WAITING
+        self.waiting.appendleft(seq)
+
     def abort(self, seq: Sequence) -> None:
         """Drop ``seq`` wherever it is and free its blocks (client gone, transfer failed)."""
         if seq.phase is Phase.FINISHED:
