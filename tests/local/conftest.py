@@ -14,7 +14,6 @@ from splitserve.local.ports import PortAllocator
 from splitserve.local.supervisor import Progress, Supervisor
 
 STAND_IN = Path(__file__).with_name("stand_in.py")
-REPO = Path(__file__).resolve().parents[2]
 
 
 @pytest.fixture

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.local.procs import is_alive
-from tests.local.conftest import REPO
-from tests.local.upctl import run_up
+from tests.local.upctl import REPO, run_up
 
 DISAGGREGATED = REPO / "deploy/local/tiny-disaggregated.yaml"
 

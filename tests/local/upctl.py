@@ -14,6 +14,7 @@ from pathlib import Path
 
 from splitserve.local.procs import descendants
 
+REPO = Path(__file__).resolve().parents[2]
 ENDPOINT_LINE = re.compile(r"OpenAI endpoint: (http://127\.0\.0\.1:(\d+)/v1)")
 
 

@@ -63,3 +63,20 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 pending.append(child)
     return found
+
+
+def rss_bytes(pid: int) -> int:
+    """Resident memory of one process (0 when it is gone or /proc is missing)."""
+    try:
+        status = (PROC / str(pid) / "status").read_text()
+    except OSError:
+        return 0
+    for line in status.splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    return 0
+
+
+def group_rss_bytes(pgid: int) -> int:
+    """Resident memory of a whole process group (a vLLM worker and its engine-core children)."""
+    return sum(rss_bytes(pid) for pid in group_members(pgid))

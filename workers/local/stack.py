@@ -152,7 +152,8 @@ class LocalStack:
         self.supervisor.wait_ready(workers, self.options.startup_timeout)
         router = self.supervisor.start(plan.router)
         self.supervisor.wait_ready([router], self.options.startup_timeout)
-        self.progress.say(f"all {len(plan.processes)} processes ready")
+        memory_mb = self.supervisor.memory_bytes() / 2**20
+        self.progress.say(f"all {len(plan.processes)} processes ready ({memory_mb:.0f} MiB resident)")
         print(f"OpenAI endpoint: {plan.endpoint}   (model {plan.model_name!r})", flush=True)
         if not self.options.smoke:
             curl, python = example_commands(plan.endpoint, plan.model_name)

@@ -25,7 +25,7 @@ from typing import TextIO
 import httpx
 
 from splitserve.local.plan import ProcessSpec
-from splitserve.local.procs import group_members
+from splitserve.local.procs import group_members, group_rss_bytes
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.2
@@ -195,6 +195,10 @@ class Supervisor:
             return client.get(url).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def memory_bytes(self) -> int:
+        """Resident memory of everything this supervisor runs now."""
+        return sum(group_rss_bytes(process.pid) for process in self.processes)
 
     # ------------------------------------------------------------------ run
 
