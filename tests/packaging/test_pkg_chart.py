@@ -198,8 +198,7 @@ def test_single_replica_has_no_disruption_budget_and_passes_extra_args(render_ch
     assert only(objects, "Deployment")["spec"]["replicas"] == 1
     assert by_kind(objects, "PodDisruptionBudget") == []
     container = operator_container(objects)
-    assert container["args"][-1] == "--standby-check"
-    assert env_map(container)["SPLITSERVE_LOG_LEVEL"] == "debug"
+    assert container["args"][-2:] == ["--verbose", "--standby-check"]
 
 
 def test_every_object_carries_the_recommended_labels(render_chart: RenderChart) -> None:
@@ -237,6 +236,7 @@ WRONG_VALUES: dict[str, dict[str, Any]] = {
     "unknown-nested-key": {"metrics": {"prot": 9102}},
     "port-out-of-range": {"metrics": {"port": 70000}},
     "log-level-typo": {"logLevel": "verbose"},
+    "log-level-unsupported": {"logLevel": "warning"},
     "service-monitor-flag-as-string": {"metrics": {"serviceMonitor": {"enabled": "yes"}}},
     "bad-pull-policy": {"image": {"pullPolicy": "Sometimes"}},
 }
@@ -301,3 +301,28 @@ def test_chart_yaml_is_helm_v3_v4_api(helm: ModuleType) -> None:
     assert metadata["apiVersion"] == "v2"
     assert metadata["appVersion"] == "0.1.0"
     assert Path(CHART_DIR / "templates" / "NOTES.txt").exists()
+
+
+@pytest.mark.parametrize("value_set", ["defaults", "namespaced", "single-replica"])
+def test_operator_cli_accepts_the_command_line_the_chart_renders(value_set: str, render_chart: RenderChart) -> None:
+    """The chart's args must parse with the real `splitserve operator` parser, or the pod crash-loops."""
+    import argparse
+
+    cli = pytest.importorskip("splitserve.controller.cli", reason="operator CLI not available")
+    args = operator_container(manifest_objects(render_chart(VALUE_SETS[value_set])))["args"]
+    if value_set == "single-replica":
+        args = [arg for arg in args if arg != "--standby-check"]  # an example extraArg, not a real flag
+    assert args[0] == "operator"
+    parser = argparse.ArgumentParser(prog="splitserve operator", exit_on_error=False)
+    cli.configure(parser)
+    try:
+        parsed, unknown = parser.parse_known_args(args[1:])
+    except argparse.ArgumentError as error:
+        pytest.fail(f"`splitserve operator` rejects the chart's arguments: {error}")
+    assert unknown == [], f"`splitserve operator` does not know {unknown}; the chart passes them"
+    assert parsed.peering == "splitserve"
+    assert parsed.liveness == "http://0.0.0.0:8080/healthz"
+    if value_set == "namespaced":
+        assert parsed.namespace == ["team-a", "team-b"]
+    else:
+        assert parsed.all_namespaces is True

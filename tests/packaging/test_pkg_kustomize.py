@@ -69,9 +69,9 @@ def test_namespaced_objects_land_in_the_operator_namespace(variant: str, kustomi
 def test_dev_overlay_runs_one_replica_with_debug_logs(kustomize_build: Build) -> None:
     objects = build_objects(kustomize_build, "dev")
     assert deployment(objects)["spec"]["replicas"] == 1
+    base_args = operator_container(build_objects(kustomize_build, "base"))["args"]
+    assert operator_container(objects)["args"] == [*base_args, "--verbose"]
     env = {var["name"]: var.get("value") for var in operator_container(objects)["env"]}
-    assert env["SPLITSERVE_LOG_LEVEL"] == "debug"
-    # The strategic merge keeps the other variables of the base.
     assert env["SPLITSERVE_WORKER_IMAGE"] == "ghcr.io/splitserve/worker:0.1.0"
     assert not [obj for obj in objects if obj["kind"] == "PodDisruptionBudget"]
 
