@@ -21,7 +21,7 @@ CRD_FILE_NAME = f"{API_GROUP}_{PLURAL}.yaml"
 
 PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Ready", "type": "string", "jsonPath": ".status.ready"},
-    {"name": "Mode", "type": "string", "jsonPath": ".spec.mode"},
+    {"name": "Mode", "type": "string", "jsonPath": ".status.mode", "description": "mode being served"},
     {
         "name": "Prefill",
         "type": "string",

@@ -34,6 +34,7 @@ def run(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call drowns the operator's own log
     # Replicas with the same priority would all pause (kopf treats them as conflicting).
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):

@@ -216,7 +216,12 @@ class Reconciler:
         )
         new = status.model_dump(by_alias=True, mode="json", exclude_none=True)
         if new != previous.model_dump(by_alias=True, mode="json", exclude_none=True):
-            await self.kube.patch_status(*IDEP, namespace, name, new)
+            try:
+                await self.kube.patch_status(*IDEP, namespace, name, new)
+            except KubeError as error:
+                if error.status != 404:
+                    raise
+                log.info("%s/%s was deleted while reconciling; its children are garbage-collected", namespace, name)
 
 
 def _declared_mode(body: Mapping[str, Any]) -> Mode:
