@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import json
 import socket
 from typing import Any
 
@@ -195,3 +196,16 @@ async def test_recompute_policy_prefills_locally_after_a_failed_pull(http: aioht
         assert failed_transfers(d) == 1
         assert external_tokens(d) == 0
         assert d.metric("vllm:prompt_tokens_by_source_total", source="local_compute") == len(tokenize(PROMPT))
+
+
+async def test_streaming_prefill_puts_params_in_the_final_chunk(http: aiohttp.ClientSession) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 1, "stream": True, "kv_transfer_params": PREFILL_PARAMS}
+    async with SimWorker(fast_config(Role.PREFILL)) as p, SimWorker(fast_config(Role.DECODE)) as d:
+        async with http.post(p.url + "/v1/completions", json=body) as reply:
+            chunks = [json.loads(line[6:]) for line in (await reply.read()).splitlines() if line.startswith(b"data: {")]
+        params = chunks[-1]["kv_transfer_params"]
+        assert params["remote_engine_id"] == p.engine_id
+        # Newer vLLM names the id remote_request_id; both spellings are accepted.
+        params["remote_request_id"] = params.pop("request_id")
+        status, _ = await decode(http, d, params)
+        assert status == 200

@@ -40,7 +40,9 @@ HTTP endpoints
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streaming (SSE + ``data: [DONE]``,
         ``stream_options.include_usage``) or not; ``usage`` with ``prompt_tokens_details.cached_tokens``;
         top-level ``kv_transfer_params`` (null unless this worker holds KV for a remote decode).
-    GET /v1/models, GET /health, GET /metrics (vLLM metric names, labels model_name and engine="0"),
+    GET /v1/models, GET /health, GET /metrics (vLLM metric names, labels model_name and engine="0";
+        plus splitserve_sim_steps_total and splitserve_sim_step_lag_seconds_total, the time steps
+        ended later than modelled because the process was short of CPU: check it in benchmarks),
     POST /tokenize {"prompt"| "messages"} -> {"count", "max_model_len", "tokens"}.
     POST /admin/faults {"status": 500|null, "fail_rate": p, "fail_after_tokens": n|null, "clear": true}
         changes injected faults live; GET /admin/faults shows them.

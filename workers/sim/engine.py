@@ -51,7 +51,7 @@ class RemotePrefill:
             raise ValueError("kv_transfer_params.remote_host must be a non-empty string")
         if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
             raise ValueError("kv_transfer_params.remote_port must be a port number")
-        request_id = params.get("request_id")
+        request_id = params.get("request_id", params.get("remote_request_id"))
         return cls(engine_id, list(blocks), host, port, request_id if isinstance(request_id, str) else None)
 
 
@@ -304,6 +304,8 @@ class SimEngine:
             deadline = max(deadline, loop.time() - MAX_CATCH_UP_S) + seconds * self.config.time_scale
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             self.steps += 1
+            self.metrics.sim_steps.inc()
+            self.metrics.sim_step_lag.inc(max(0.0, loop.time() - deadline))
             self._after_step(plan)
 
     def _after_schedule(self, plan: StepPlan) -> None:

@@ -168,6 +168,16 @@ class SimMetrics:
             REQUEST_LATENCY_BUCKETS,
         )
 
+        # Simulator health, not vLLM metrics: when the process is CPU-starved the step loop ends
+        # steps later than modelled; benchmarks should check this lag stays small before trusting
+        # latency figures.
+        self.sim_steps = Counter("splitserve_sim_steps", "Engine steps simulated.", registry=registry)
+        self.sim_step_lag = Counter(
+            "splitserve_sim_step_lag_seconds",
+            "Total time engine steps ended later than the latency model says.",
+            registry=registry,
+        )
+
     def exposition(self) -> bytes:
         # vLLM turns off the ``*_created`` series; prometheus_client can only do that process-wide,
         # so they are dropped from this registry's text instead.

@@ -295,28 +295,38 @@ class SimWorker:
             await response.write(sse(shape.chunk("", None, parsed.include_usage, role=True)))
         sent = 0
         pending: str | None = None  # held back one token so the last one carries finish_reason
-        while True:
-            if isinstance(event, ErrorEvent):
-                # Headers are gone; vLLM reports mid-stream errors as an error event in the stream.
-                await response.write(sse(error_body(event.status, event.message)))
-                break
-            if isinstance(event, TokenEvent):
-                if pending is not None:
-                    await response.write(sse(shape.chunk(pending, None, parsed.include_usage)))
-                pending = output_text(event.token_id)
-                sent += 1
-                if self.faults.fail_after_tokens is not None and sent > self.faults.fail_after_tokens:
-                    self._drop_connection(request)
-                    return response
-            else:
-                final = shape.chunk(pending or "", "length", parsed.include_usage, kv_params=event.kv_transfer_params)
-                await response.write(sse(final))
-                if parsed.include_usage:
-                    await response.write(
-                        sse(shape.usage_chunk(usage(seq.num_prompt_tokens, sent, seq.num_cached_tokens)))
-                    )
-                break
-            event = await engine_request.events.get()
+        finished = False
+        while not finished:
+            # Everything already queued goes out in one write: under load a handler can fall
+            # several tokens behind the engine, and one write per token would fall further behind.
+            out: list[bytes] = []
+            while True:
+                if isinstance(event, ErrorEvent):
+                    # Headers are gone; vLLM reports mid-stream errors as an error event in the stream.
+                    out.append(sse(error_body(event.status, event.message)))
+                    finished = True
+                elif isinstance(event, TokenEvent):
+                    if pending is not None:
+                        out.append(sse(shape.chunk(pending, None, parsed.include_usage)))
+                    pending = output_text(event.token_id)
+                    sent += 1
+                    if self.faults.fail_after_tokens is not None and sent > self.faults.fail_after_tokens:
+                        await response.write(b"".join(out))
+                        self._drop_connection(request)
+                        return response
+                else:
+                    params = event.kv_transfer_params
+                    out.append(sse(shape.chunk(pending or "", "length", parsed.include_usage, kv_params=params)))
+                    if parsed.include_usage:
+                        out.append(sse(shape.usage_chunk(usage(seq.num_prompt_tokens, sent, seq.num_cached_tokens))))
+                    finished = True
+                if finished or engine_request.events.empty():
+                    break
+                event = engine_request.events.get_nowait()
+            if out:
+                await response.write(b"".join(out))
+            if not finished:
+                event = await engine_request.events.get()
         await response.write(SSE_DONE)
         await response.write_eof()
         return response
