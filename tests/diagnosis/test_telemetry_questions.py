@@ -24,7 +24,7 @@ from tests.diagnosis.conftest import InputFactory, SpecFactory, patched
 FACTS_8B = ModelFacts(8.03e9, "model config (test)", KvShape(32, 8, 128), "model config (test)", 32, 131072)
 
 
-def tel(buckets: dict[float, float] | None = None, **values: float | None) -> Telemetry:
+def tel(buckets: dict[float, float] | None = None, /, **values: float | None) -> Telemetry:
     readings = {name: Reading(value, f"q_{name}") for name, value in values.items()}
     return Telemetry(
         output_tokens_buckets=tuple(sorted((buckets or {}).items())),

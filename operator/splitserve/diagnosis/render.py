@@ -166,7 +166,7 @@ def render_text(
     title_width = max(len(r.title) for r in results) if results else 8
     status_width = max(len("STATUS"), *(len(r.status) for r in results)) if results else 6
     prefix_width = 3 + title_width + 2 + status_width + 2
-    verdict_width = max(30, width - prefix_width)
+    verdict_width = max(20, width - prefix_width)
     lines.append(f"{'#':<3}{'QUESTION':<{title_width}}  {'STATUS':<{status_width}}  VERDICT")
     for result in results:
         wrapped = textwrap.wrap(result.verdict, verdict_width) or [""]

@@ -1,0 +1,219 @@
+"""Autopilot: sustained window, hysteresis, rate limit, veto, undo, one change at a time."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+from hypothesis import given
+from hypothesis import strategies as st
+
+from splitserve.api.spec import Mode
+from splitserve.diagnosis.autopilot import (
+    Action,
+    AppliedAction,
+    AutopilotPolicy,
+    Decision,
+    Sample,
+    ServingState,
+    decide,
+)
+
+POLICY = AutopilotPolicy()  # window 600 s, evaluation 600 s, min interval 1800 s
+DISAGG_OFF = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=2)
+DISAGG_ON = ServingState(Mode.DISAGGREGATED, "ngram", prefill_replicas=1, decode_replicas=2)
+AGG_OFF = ServingState(Mode.AGGREGATED, "off", prefill_replicas=1, decode_replicas=2)
+
+
+def series(start: float, end: float, step: float = 60.0, **fields: Any) -> list[Sample]:
+    """Samples every `step` seconds from start to end inclusive, all with the same values."""
+    count = int((end - start) // step) + 1
+    return [Sample(time=start + i * step, **fields) for i in range(count)]
+
+
+def run(
+    state: ServingState,
+    samples: Sequence[Sample],
+    now: float,
+    *,
+    history: Sequence[AppliedAction] = (),
+    veto: Sequence[str] = (),
+    dynamic: bool = True,
+) -> Decision:
+    return decide(dynamic=dynamic, veto=veto, state=state, samples=samples, history=history, now=now, policy=POLICY)
+
+
+# Moderate load: no rule fires (between every on/off threshold).
+CALM: dict[str, Any] = {"batch_per_replica": 12.0, "itl_p90": 0.04, "ttft_p90": 0.5, "ttft_inflation": 1.2}
+LOW: dict[str, Any] = {**CALM, "batch_per_replica": 6.0}
+HIGH: dict[str, Any] = {**CALM, "batch_per_replica": 40.0}
+
+
+def test_nothing_happens_unless_dynamic_is_on() -> None:
+    assert run(DISAGG_OFF, series(0, 1200, **LOW), 1200, dynamic=False).action is None
+
+
+def test_speculative_decoding_turns_on_after_a_sustained_low_load_window() -> None:
+    decision = run(DISAGG_OFF, series(0, 1200, **LOW), 1200)
+    action = decision.action
+    assert action is not None and action.kind == "speculativeDecoding"
+    assert action.patch == {"engine": {"speculativeDecoding": {"method": "ngram"}}}
+    assert action.undo_patch == {"engine": {"speculativeDecoding": {"method": "off"}}}
+    assert action.target_metric == "itl_p90" and action.baseline == pytest.approx(0.04)
+    assert action.numbers["batch"] == pytest.approx(6.0)
+
+
+def test_draft_method_is_used_when_the_spec_names_a_draft_model() -> None:
+    state = ServingState(Mode.DISAGGREGATED, "off", 1, 2, speculative_method_when_on="draft")
+    action = run(state, series(0, 1200, **LOW), 1200).action
+    assert action is not None and action.patch == {"engine": {"speculativeDecoding": {"method": "draft"}}}
+
+
+def test_speculative_decoding_turns_off_at_sustained_high_load() -> None:
+    action = run(DISAGG_ON, series(0, 1200, **HIGH), 1200).action
+    assert action is not None and action.what == "turn speculative decoding off"
+
+
+def test_one_sample_against_the_evidence_breaks_the_window() -> None:
+    samples = series(0, 1200, **LOW)
+    samples[-3] = Sample(samples[-3].time, **CALM)
+    decision = run(DISAGG_OFF, samples, 1200)
+    assert decision.action is None and "no sustained evidence" in decision.note
+
+
+def test_missing_data_does_not_count_as_evidence() -> None:
+    samples = series(0, 1200, **LOW)
+    samples[-1] = Sample(samples[-1].time)
+    assert run(DISAGG_OFF, samples, 1200).action is None
+
+
+def test_not_enough_history_means_no_change() -> None:
+    decision = run(DISAGG_OFF, series(900, 1200, **LOW), 1200)
+    assert decision.action is None and "not enough history" in decision.note
+
+
+def test_too_few_samples_in_the_window() -> None:
+    samples = [Sample(0, **LOW), Sample(700, **LOW)]
+    decision = run(DISAGG_OFF, samples, 1200)
+    assert decision.action is None and "samples in the window" in decision.note
+
+
+@given(st.lists(st.floats(min_value=8.5, max_value=31.5), min_size=11, max_size=11))
+def test_hysteresis_band_never_toggles_speculative_decoding(batches: list[float]) -> None:
+    samples = [Sample(i * 60.0, batch_per_replica=b, itl_p90=0.04) for i, b in enumerate(batches)]
+    for state in (DISAGG_OFF, DISAGG_ON):
+        action = run(state, samples, 600).action
+        assert action is None or action.kind != "speculativeDecoding"
+
+
+def _applied(action: Action, time: float, *, reverted: bool = False) -> AppliedAction:
+    return AppliedAction(action, time, reverted)
+
+
+def _spec_on_action() -> Action:
+    action = run(DISAGG_OFF, series(0, 1200, **LOW), 1200).action
+    assert action is not None
+    return action
+
+
+def test_waits_for_the_evaluation_period_after_a_change() -> None:
+    history = [_applied(_spec_on_action(), 1200)]
+    samples = series(0, 1500, **{**LOW, "itl_p90": 0.5})
+    decision = run(DISAGG_ON, samples, 1500, history=history)
+    assert decision.action is None and "waiting" in decision.note
+
+
+def test_undo_when_the_target_metric_got_worse() -> None:
+    original = _spec_on_action()  # baseline ITL 0.04
+    history = [_applied(original, 1200)]
+    samples = series(0, 1200, **LOW) + series(1260, 2000, **{**LOW, "itl_p90": 0.06})
+    action = run(DISAGG_ON, samples, 2000, history=history).action
+    assert action is not None and action.reverts is original
+    assert action.patch == original.undo_patch
+    assert action.numbers == {"before": pytest.approx(0.04), "after": pytest.approx(0.06)}
+    event = action.to_event("2026-01-01T00:00:00Z")
+    assert event.reverted and event.action.startswith("undo:")
+
+
+def test_no_undo_within_the_tolerance_and_rate_limit_holds() -> None:
+    history = [_applied(_spec_on_action(), 1200)]
+    samples = series(0, 1200, **LOW) + series(1260, 2000, **{**LOW, "itl_p90": 0.043})  # +7.5% < 10%
+    decision = run(DISAGG_ON, samples, 2000, history=history)
+    assert decision.action is None and "rate limited" in decision.note
+
+
+def test_rate_limit_after_an_undo_then_the_undone_change_is_not_retried() -> None:
+    original = _spec_on_action()
+    revert = Action(**{**original.__dict__, "reverts": original, "patch": original.undo_patch})
+    history = [_applied(original, 1200, reverted=True), _applied(revert, 2000)]
+    samples = series(0, 6000, **LOW)
+    assert "rate limited" in run(DISAGG_OFF, samples, 3000, history=history).note
+    decision = run(DISAGG_OFF, samples, 6000, history=history)
+    assert decision.action is None and "undone recently" in decision.note
+    later = 1200 + POLICY.retry_after_revert_s + 1200
+    retried = run(DISAGG_OFF, series(0, later, **LOW), later, history=history).action
+    assert retried is not None and retried.kind == "speculativeDecoding"
+
+
+def test_evidence_from_before_the_last_change_does_not_count() -> None:
+    history = [_applied(_spec_on_action(), 1200)]
+    # Long after the change; only 300 s of samples since it.
+    samples = series(0, 1200, **HIGH) + series(4700, 5000, **HIGH)
+    decision = run(DISAGG_ON, samples, 5000, history=history)
+    assert decision.action is None and "not enough history" in decision.note
+
+
+def test_veto_blocks_a_kind_and_lets_the_next_through() -> None:
+    # Low load on disaggregated pools supports both "aggregate" and "speculate"; mode goes first.
+    samples = series(0, 1200, **{**LOW, "batch_per_replica": 2.0})
+    first = run(DISAGG_OFF, samples, 1200).action
+    assert first is not None and first.kind == "mode" and first.patch == {"mode": "aggregated"}
+    vetoed = run(DISAGG_OFF, samples, 1200, veto=["mode"]).action
+    assert vetoed is not None and vetoed.kind == "speculativeDecoding"
+    nothing = run(DISAGG_OFF, samples, 1200, veto=["mode", "speculativeDecoding"])
+    assert nothing.action is None and "vetoed" in nothing.note
+
+
+def test_veto_also_blocks_the_undo() -> None:
+    history = [_applied(_spec_on_action(), 1200)]
+    samples = series(0, 1200, **LOW) + series(1260, 2000, **{**LOW, "itl_p90": 0.2})
+    decision = run(DISAGG_ON, samples, 2000, history=history, veto=["speculativeDecoding"])
+    assert decision.action is None and "vetoed" in decision.note
+
+
+def test_disaggregate_under_sustained_interference_and_load() -> None:
+    busy = {**CALM, "batch_per_replica": 24.0, "ttft_inflation": 3.0}
+    action = run(AGG_OFF, series(0, 1200, **busy), 1200).action
+    assert action is not None and action.patch == {"mode": "disaggregated"} and action.target_metric == "ttft_p90"
+    # Interference without load, or load without interference: stay.
+    assert run(AGG_OFF, series(0, 1200, **{**busy, "ttft_inflation": 1.5}), 1200).action is None
+    assert run(AGG_OFF, series(0, 1200, **{**busy, "batch_per_replica": 12.0}), 1200).action is None
+
+
+@pytest.mark.parametrize(
+    ("needed", "expected_prefill"),
+    [(1.5, 3), (0.1, None), (0.6, None)],  # 2 decode replicas: ratio 0.5 now; 1.5 needs 3 prefill
+)
+def test_ratio_changes_only_outside_the_band(needed: float, expected_prefill: int | None) -> None:
+    state = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=2)
+    action = run(state, series(0, 1200, **{**CALM, "needed_ratio": needed}), 1200).action
+    if expected_prefill is None:
+        assert action is None
+    else:
+        assert action is not None and action.kind == "ratio"
+        assert action.patch == {"prefill": {"replicas": expected_prefill}}
+        assert action.undo_patch == {"prefill": {"replicas": 1}}
+
+
+def test_ratio_lower_need_reduces_prefill() -> None:
+    state = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=4, decode_replicas=4)
+    action = run(state, series(0, 1200, **{**CALM, "needed_ratio": 0.25}), 1200).action
+    assert action is not None and action.patch == {"prefill": {"replicas": 1}}
+
+
+def test_policy_rejects_settings_without_hysteresis_or_evaluation() -> None:
+    with pytest.raises(ValueError, match="hysteresis"):
+        AutopilotPolicy(speculative_on_below_batch=16, speculative_off_above_batch=16)
+    with pytest.raises(ValueError, match="evaluation"):
+        AutopilotPolicy(evaluation_s=1800, min_interval_s=1800)

@@ -1,0 +1,126 @@
+"""telemetry.collect: the PromQL it sends and how it reads the answers (fake and real client)."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from typing import Any
+from urllib.parse import parse_qs
+
+import httpx
+import pytest
+
+from splitserve.autoscaling.prometheus import PrometheusClient
+from splitserve.diagnosis.service import gather_telemetry, run_diagnosis
+from splitserve.diagnosis.telemetry import TelemetryScope, collect, default_scope
+from tests.diagnosis.conftest import FakePrometheus, SpecFactory
+
+SCOPE = TelemetryScope('model_name="m",namespace="ml"', 'namespace="ml"', "5m")
+
+
+async def test_collect_scopes_every_query_and_reads_buckets(fake_prometheus: Callable[..., FakePrometheus]) -> None:
+    prom = fake_prometheus(
+        {"vllm:prefix_cache_hits_total": 30.0, "vllm:prefix_cache_queries_total": 100.0},
+        {8.0: 2.0, 64.0: 5.0, math.inf: 6.0},
+    )
+    telemetry = await collect(prom, SCOPE)
+    assert telemetry.prefix_hits_rate.value == 30.0
+    assert (
+        telemetry.prefix_hits_rate.query == 'sum(rate(vllm:prefix_cache_hits_total{model_name="m",namespace="ml"}[5m]))'
+    )
+    assert telemetry.output_tokens_buckets == ((8.0, 2.0), (64.0, 5.0), (math.inf, 6.0))
+    assert telemetry.itl_p90.value is None
+    engine_queries = [q for q in prom.queries if "vllm:" in q]
+    assert engine_queries and all('model_name="m"' in q for q in engine_queries)
+    router_queries = [q for q in prom.queries if "splitserve_router_" in q]
+    assert router_queries and all('namespace="ml"' in q for q in router_queries)
+    assert any('reason="capacity"' in q for q in prom.queries)
+
+
+async def test_router_metrics_fall_back_to_engine_counters(fake_prometheus: Callable[..., FakePrometheus]) -> None:
+    prom = fake_prometheus({"vllm:request_success_total": 3.0, "vllm:prompt_tokens_total": 900.0})
+    telemetry = await collect(prom, SCOPE)
+    assert telemetry.request_rate.value == 3.0
+    assert "vllm:request_success_total" in telemetry.request_rate.query
+    assert telemetry.prompt_tokens_rate.value == 900.0
+
+
+def test_default_scope_uses_served_model_name_and_namespace(make_spec: SpecFactory) -> None:
+    spec = make_spec({"model": {"name": "llama-8b"}})
+    assert default_scope(spec, "ml").engine_selector == 'model_name="llama-8b",namespace="ml"'
+    assert default_scope(spec, None).router_selector == ""
+
+
+async def test_empty_router_selector_still_gives_valid_promql(fake_prometheus: Callable[..., FakePrometheus]) -> None:
+    prom = fake_prometheus()
+    await collect(prom, TelemetryScope("", "", "1m"))
+    assert not any("{," in q for q in prom.queries)
+    assert any('{reason="capacity"}' in q for q in prom.queries)
+
+
+async def test_unreachable_prometheus_means_no_telemetry_with_the_reason(
+    fake_prometheus: Callable[..., FakePrometheus],
+) -> None:
+    telemetry, note = await gather_telemetry(fake_prometheus(down=True), SCOPE, "http://fake")
+    assert telemetry is None
+    assert "not reachable" in note
+
+
+def _prometheus_api(values: dict[str, float]) -> Callable[[httpx.Request], httpx.Response]:
+    """A Prometheus /api/v1/query stand-in answering instant vectors by metric name."""
+
+    def handle(request: httpx.Request) -> httpx.Response:
+        query = parse_qs(request.content.decode())["query"][0]
+        result: list[dict[str, Any]] = []
+        if query == "vector(1)":
+            result = [{"metric": {}, "value": [0, "1"]}]
+        elif "splitserve_router_output_tokens_bucket" in query:
+            result = [
+                {"metric": {"le": le}, "value": [0, value]}
+                for le, value in (("8.0", "5"), ("512.0", "5"), ("1024.0", "10"), ("+Inf", "10"))
+            ]
+        else:
+            for name, value in values.items():
+                if name in query:
+                    result = [{"metric": {}, "value": [0, str(value)]}]
+                    break
+        return httpx.Response(200, json={"status": "success", "data": {"resultType": "vector", "result": result}})
+
+    return handle
+
+
+async def test_run_diagnosis_through_the_real_prometheus_client(make_spec: SpecFactory) -> None:
+    values = {
+        "vllm:prefix_cache_hits_total": 700.0,
+        "vllm:prefix_cache_queries_total": 1000.0,
+        "vllm:inter_token_latency_seconds": 0.09,
+        "vllm:num_requests_running": 3.0,
+        "splitserve_router_output_tokens_sum": 5020.0,
+        "splitserve_router_output_tokens_count": 10.0,
+    }
+    http = httpx.AsyncClient(transport=httpx.MockTransport(_prometheus_api(values)))
+    spec = make_spec(
+        {"model": {"parameterCount": 8_000_000_000}, "router": {"routingPolicy": {"prefill": "round-robin"}}}
+    )
+    async with PrometheusClient("http://prom:9090", http=http) as client:
+        report = await run_diagnosis(spec, name="d", namespace="ml", prometheus_url="http://prom:9090", source=client)
+    await http.aclose()
+    by_key = {result.key: result for result in report.results}
+    assert report.inp.telemetry is not None
+    assert by_key["prompt-redundancy"].patch == {"router": {"routingPolicy": {"prefill": "prefix-aware"}}}
+    assert by_key["per-token-latency"].patch is not None  # 90 ms ITL at batch 3: speculate
+    assert "CV" in by_key["output-variance"].verdict
+    assert report.summary().startswith("fits; ")
+
+
+@pytest.mark.parametrize("url", ["http://127.0.0.1:9"])
+async def test_run_diagnosis_with_unreachable_url_answers_from_the_spec(make_spec: SpecFactory, url: str) -> None:
+    report = await run_diagnosis(make_spec({"model": {"parameterCount": 8_000_000_000}}), name="d", prometheus_url=url)
+    assert report.inp.telemetry is None
+    assert "not reachable" in report.inp.telemetry_note
+    assert report.results[0].status == "ok"
+    assert all(
+        r.verdict.startswith("no telemetry")
+        for r in report.results
+        if r.key != "hardware-fit" and r.status == "unknown"
+    )
