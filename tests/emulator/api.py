@@ -5,7 +5,6 @@ from __future__ import annotations
 import copy
 import datetime
 import random
-import string
 import uuid
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -85,8 +84,11 @@ class KubernetesApi:
             registry.register_crd(crd)
         for name in INITIAL_NAMESPACES:
             if store.get(NAMESPACE_KEY, "", name) is None:
-                self._store_new(self._namespace_info(), {"apiVersion": "v1", "kind": "Namespace",
-                                                         "metadata": {"name": name}}, manager="emulator")
+                self._store_new(
+                    self._namespace_info(),
+                    {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}},
+                    manager="emulator",
+                )
 
     def _namespace_info(self) -> ResourceInfo:
         info = self.registry.find("", "v1", "namespaces")
@@ -100,7 +102,7 @@ class KubernetesApi:
             raise errors.not_found(info.group, info.plural, name)
         return self._as_version(found, info)
 
-    def list(
+    def list_objects(
         self,
         info: ResourceInfo,
         namespace: str | None,
@@ -115,7 +117,7 @@ class KubernetesApi:
             raise errors.bad_request(str(e)) from None
         return [
             self._as_version(obj, info)
-            for obj in self.store.list(info.key, namespace if info.namespaced else None)
+            for obj in self.store.list_objects(info.key, namespace if info.namespaced else None)
             if selectors.labels_match(labels, obj) and selectors.fields_match(fields, obj)
         ]
 
@@ -126,9 +128,7 @@ class KubernetesApi:
         return obj
 
     # ------------------------------------------------------------------ create
-    def create(
-        self, info: ResourceInfo, namespace: str, body: Any, *, manager: str
-    ) -> dict[str, Any]:
+    def create(self, info: ResourceInfo, namespace: str, body: Any, *, manager: str) -> dict[str, Any]:
         obj = self._prepare_new(info, namespace, body)
         record = self._record_update_for(info, "", manager)
         return self._store_new(info, obj, manager=manager, record=record)
@@ -181,8 +181,13 @@ class KubernetesApi:
         if record is not None:
             metadata.pop("managedFields", None)
             managed_fields.record_update(
-                None, obj, manager=manager, subresource="", api_version=info.api_version,
-                now=self._clock(), tracked=record,
+                None,
+                obj,
+                manager=manager,
+                subresource="",
+                api_version=info.api_version,
+                now=self._clock(),
+                tracked=record,
             )
         stored = self.store.put(info.key, obj, created=True)
         self._after_write(info, stored)
@@ -306,23 +311,47 @@ class KubernetesApi:
                 if subresource:
                     raise errors.not_found(info.group, info.plural, name)
                 applied = managed_fields.server_side_apply(
-                    None, body, manager=manager, force=force, subresource="", api_version=info.api_version,
-                    now=now, tracked=tracked,
+                    None,
+                    body,
+                    manager=manager,
+                    force=force,
+                    subresource="",
+                    api_version=info.api_version,
+                    now=now,
+                    tracked=tracked,
                 )
                 applied.setdefault("metadata", {})["name"] = name
                 obj = self._prepare_new(info, namespace, applied)
                 return self._store_new(info, obj, manager=manager), True
             self._check_resource_version(info, existing, body)
             applied = managed_fields.server_side_apply(
-                existing, body, manager=manager, force=force, subresource=subresource,
-                api_version=info.api_version, now=now, tracked=tracked,
+                existing,
+                body,
+                manager=manager,
+                force=force,
+                subresource=subresource,
+                api_version=info.api_version,
+                now=now,
+                tracked=tracked,
             )
         except managed_fields.ApplyConflict as e:
             raise errors.ApiError(
-                409, "Conflict", str(e),
-                details={"name": name, "group": info.group, "kind": info.plural,
-                         "causes": [{"reason": "FieldManagerConflict", "message": f'conflict with "{manager_}"',
-                                     "field": "." + ".".join(path)} for path, manager_ in e.conflicts]},
+                409,
+                "Conflict",
+                str(e),
+                details={
+                    "name": name,
+                    "group": info.group,
+                    "kind": info.plural,
+                    "causes": [
+                        {
+                            "reason": "FieldManagerConflict",
+                            "message": f'conflict with "{manager_}"',
+                            "field": "." + ".".join(path),
+                        }
+                        for path, manager_ in e.conflicts
+                    ],
+                },
             ) from None
         return self._write(info, existing, applied, subresource=subresource, manager=manager, record=False), False
 
@@ -330,7 +359,9 @@ class KubernetesApi:
         wanted = (body.get("metadata") or {}).get("resourceVersion")
         if wanted and str(wanted) != current["metadata"]["resourceVersion"]:
             raise errors.conflict(
-                info.group, info.plural, current["metadata"]["name"],
+                info.group,
+                info.plural,
+                current["metadata"]["name"],
                 "the object has been modified; please apply your changes to the latest version and try again",
             )
 
@@ -373,8 +404,13 @@ class KubernetesApi:
         if record:
             metadata["managedFields"] = copy.deepcopy(current["metadata"].get("managedFields", []))
             managed_fields.record_update(
-                current, new, manager=manager, subresource=subresource, api_version=info.api_version,
-                now=self._clock(), tracked=self._record_update_for(info, subresource, manager),
+                current,
+                new,
+                manager=manager,
+                subresource=subresource,
+                api_version=info.api_version,
+                now=self._clock(),
+                tracked=self._record_update_for(info, subresource, manager),
             )
         if info.key == CRD_KEY and subresource != "status":
             self._apply_defaults(info, new)
@@ -441,7 +477,12 @@ class KubernetesApi:
 
     # ------------------------------------------------------------------ deletion
     def delete(
-        self, info: ResourceInfo, namespace: str, name: str, *, propagation: str = "Background",
+        self,
+        info: ResourceInfo,
+        namespace: str,
+        name: str,
+        *,
+        propagation: str = "Background",
         preconditions: Mapping[str, Any] | None = None,
     ) -> dict[str, Any]:
         current = self.get(info, namespace, name)
@@ -466,7 +507,7 @@ class KubernetesApi:
         self, info: ResourceInfo, namespace: str | None, *, label_selector: str | None, field_selector: str | None
     ) -> list[dict[str, Any]]:
         deleted = []
-        for obj in self.list(info, namespace, label_selector=label_selector, field_selector=field_selector):
+        for obj in self.list_objects(info, namespace, label_selector=label_selector, field_selector=field_selector):
             metadata = obj["metadata"]
             try:
                 deleted.append(self.delete(info, metadata.get("namespace", ""), metadata["name"]))
@@ -488,17 +529,17 @@ class KubernetesApi:
         for info in self._unique_resources():
             if not info.namespaced:
                 continue
-            for obj in self.store.list(info.key, namespace):
+            for obj in self.store.list_objects(info.key, namespace):
                 self._delete_quietly(info, obj)
 
     def _drop_custom_resources(self, crd_name: str) -> None:
         for info in self.registry.unregister_crd(crd_name)[:1]:
-            for obj in self.store.list(info.key):
+            for obj in self.store.list_objects(info.key):
                 self.store.remove(info.key, obj["metadata"].get("namespace", ""), obj["metadata"]["name"])
 
     def _orphan_dependents(self, owner_uid: str) -> None:
         for info in self._unique_resources():
-            for obj in self.store.list(info.key):
+            for obj in self.store.list_objects(info.key):
                 references = obj["metadata"].get("ownerReferences") or []
                 kept = [reference for reference in references if reference.get("uid") != owner_uid]
                 if len(kept) != len(references):
@@ -526,7 +567,7 @@ class KubernetesApi:
             orphans = [
                 (info, obj)
                 for info in self._unique_resources()
-                for obj in self.store.list(info.key)
+                for obj in self.store.list_objects(info.key)
                 if (references := obj["metadata"].get("ownerReferences"))
                 and not obj["metadata"].get("deletionTimestamp")
                 and all(reference.get("uid") not in uids for reference in references)

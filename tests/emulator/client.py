@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import builtins
+import json
 import time
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -97,7 +99,9 @@ class EmulatorClient:
         found: JsonObject = self.request("GET", path)
         return found
 
-    def get_or_none(self, api_version: str, plural: str, name: str, *, namespace: str | None = None) -> JsonObject | None:
+    def get_or_none(
+        self, api_version: str, plural: str, name: str, *, namespace: str | None = None
+    ) -> JsonObject | None:
         try:
             return self.get(api_version, plural, name, namespace=namespace)
         except ApiError as e:
@@ -113,14 +117,12 @@ class EmulatorClient:
         namespace: str | None = None,
         label_selector: str | None = None,
         field_selector: str | None = None,
-    ) -> list[JsonObject]:
+    ) -> builtins.list[JsonObject]:
         params = {
-            key: value
-            for key, value in (("labelSelector", label_selector), ("fieldSelector", field_selector))
-            if value
+            key: value for key, value in (("labelSelector", label_selector), ("fieldSelector", field_selector)) if value
         }
         body = self.request("GET", resource_path(api_version, plural, namespace=namespace), params=params)
-        items: list[JsonObject] = body["items"]
+        items: builtins.list[JsonObject] = body["items"]
         return items
 
     def replace(
@@ -152,10 +154,11 @@ class EmulatorClient:
         if force:
             params["force"] = "true"
         path = resource_path(api_version, plural, namespace=namespace, name=name, subresource=subresource)
-        import json
-
         patched: JsonObject = self.request(
-            "PATCH", path, content=json.dumps(patch), params=params,
+            "PATCH",
+            path,
+            content=json.dumps(patch),
+            params=params,
             headers={"Content-Type": PATCH_TYPES[patch_type]},
         )
         return patched
@@ -165,8 +168,14 @@ class EmulatorClient:
         metadata = obj["metadata"]
         plural = self.plural_for(obj["apiVersion"], obj["kind"])
         return self.patch(
-            obj["apiVersion"], plural, metadata["name"], dict(obj), namespace=metadata.get("namespace"),
-            patch_type="apply", field_manager=field_manager, force=force,
+            obj["apiVersion"],
+            plural,
+            metadata["name"],
+            dict(obj),
+            namespace=metadata.get("namespace"),
+            patch_type="apply",
+            field_manager=field_manager,
+            force=force,
         )
 
     def delete(
@@ -182,9 +191,9 @@ class EmulatorClient:
         return self.create({"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": name}})
 
     # Emulator-only endpoints.
-    def requests_log(self) -> list[JsonObject]:
+    def requests_log(self) -> builtins.list[JsonObject]:
         """Every API request served so far: method, path, verb, group, resource, namespace, user_agent..."""
-        records: list[JsonObject] = self.request("GET", "/emulator/requests")
+        records: builtins.list[JsonObject] = self.request("GET", "/emulator/requests")
         return records
 
     def clear_requests_log(self) -> None:

@@ -13,6 +13,7 @@ Like the real controllers (Go `omitempty`), zero counts are left out of the stat
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import copy
 from typing import Any
 
@@ -32,10 +33,8 @@ def desired_status(obj: dict[str, Any]) -> dict[str, Any]:
     if annotations.get(READY_ANNOTATION, "").lower() == "false":
         ready = 0
     if READY_REPLICAS_ANNOTATION in annotations:
-        try:
+        with contextlib.suppress(ValueError):
             ready = min(replicas, max(0, int(annotations[READY_REPLICAS_ANNOTATION])))
-        except ValueError:
-            pass
     counts = {
         "replicas": replicas,
         "readyReplicas": ready,
@@ -48,8 +47,11 @@ def desired_status(obj: dict[str, Any]) -> dict[str, Any]:
     status["observedGeneration"] = int(metadata.get("generation", 1))
     available = "True" if ready >= replicas else "False"
     status["conditions"] = [
-        {"type": "Available", "status": available, "reason": "MinimumReplicasAvailable"
-         if available == "True" else "MinimumReplicasUnavailable"},
+        {
+            "type": "Available",
+            "status": available,
+            "reason": "MinimumReplicasAvailable" if available == "True" else "MinimumReplicasUnavailable",
+        },
     ]
     return status
 
@@ -58,7 +60,7 @@ def reconcile_workloads(api: KubernetesApi) -> int:
     """One pass over all workloads; returns how many statuses changed."""
     changed = 0
     for key in WORKLOAD_KEYS:
-        for obj in api.store.list(key):
+        for obj in api.store.list_objects(key):
             wanted = desired_status(obj)
             if obj.get("status") == wanted or obj["metadata"].get("deletionTimestamp"):
                 continue

@@ -46,15 +46,15 @@ def not_found(group: str, plural: str, name: str) -> ApiError:
 
 def already_exists(group: str, plural: str, name: str) -> ApiError:
     qualified = f"{plural}.{group}" if group else plural
-    return ApiError(
-        409, "AlreadyExists", f'{qualified} "{name}" already exists', details=_details(plural, name, group)
-    )
+    return ApiError(409, "AlreadyExists", f'{qualified} "{name}" already exists', details=_details(plural, name, group))
 
 
 def conflict(group: str, plural: str, name: str, why: str) -> ApiError:
     qualified = f"{plural}.{group}" if group else plural
     return ApiError(
-        409, "Conflict", f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
+        409,
+        "Conflict",
+        f'Operation cannot be fulfilled on {qualified} "{name}": {why}',
         details=_details(plural, name, group),
     )
 

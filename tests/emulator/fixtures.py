@@ -70,8 +70,15 @@ class EmulatorProcess:
     def start(self) -> None:
         if self.running:
             return
-        command = [sys.executable, "-m", "tests.emulator", "--port", str(self.port),
-                   "--kubeconfig", str(self.kubeconfig)]
+        command = [
+            sys.executable,
+            "-m",
+            "tests.emulator",
+            "--port",
+            str(self.port),
+            "--kubeconfig",
+            str(self.kubeconfig),
+        ]
         if self.state_file is not None:
             command += ["--state", str(self.state_file)]
         if not self.fake_controllers:
@@ -124,7 +131,11 @@ class Kubectl:
         """Run kubectl against the emulator; check=True raises with stderr on a non-zero exit."""
         namespace_args = ["--namespace", self.namespace] if self.namespace else []
         result = subprocess.run(
-            [self.binary, *namespace_args, *args], input=input, capture_output=True, text=True, env=self.emulator.env(),
+            [self.binary, *namespace_args, *args],
+            input=input,
+            capture_output=True,
+            text=True,
+            env=self.emulator.env(),
             timeout=timeout,
         )
         if check and result.returncode != 0:

@@ -41,9 +41,7 @@ class RequestRecord:
 
 
 def _json_response(body: Any, status: int = 200) -> aiohttp.web.Response:
-    return aiohttp.web.Response(
-        body=json.dumps(body).encode(), status=status, content_type="application/json"
-    )
+    return aiohttp.web.Response(body=json.dumps(body).encode(), status=status, content_type="application/json")
 
 
 def _error_response(error: errors.ApiError) -> aiohttp.web.Response:
@@ -53,7 +51,8 @@ def _error_response(error: errors.ApiError) -> aiohttp.web.Response:
 def _parse_body(raw: bytes, content_type: str) -> Any:
     if "protobuf" in content_type or "cbor" in content_type:
         raise errors.ApiError(
-            415, "UnsupportedMediaType",
+            415,
+            "UnsupportedMediaType",
             f"the body of the request was in an unknown format - accepted media types include: application/json, "
             f"application/yaml (got {content_type})",
         )
@@ -159,14 +158,19 @@ class HttpFrontend:
         manager = _manager(params, user_agent)
         verb = verb_for(method, target, params)
         if target.subresource and target.subresource not in self._subresources(info):
-            raise errors.ApiError(404, "NotFound", f"the server could not find the requested resource "
-                                  f"({target.plural}/{target.subresource})")
+            raise errors.ApiError(
+                404,
+                "NotFound",
+                f"the server could not find the requested resource ({target.plural}/{target.subresource})",
+            )
 
         if verb == "watch":
             return await self._watch(raw_request, info, target.namespace, params, accept)
         if verb == "list":
-            items = self.api.list(
-                info, target.namespace, label_selector=params.get("labelSelector"),
+            items = self.api.list_objects(
+                info,
+                target.namespace,
+                label_selector=params.get("labelSelector"),
                 field_selector=params.get("fieldSelector"),
             )
             return self._list_response(info, items, accept, params)
@@ -177,36 +181,54 @@ class HttpFrontend:
             obj = self.api.get(info, namespace, assert_name)
             return self._object_response(info, obj, accept, params)
         if verb == "create":
-            created = self.api.create(info, namespace, _parse_body(body, content_type), manager=manager)
-            return _json_response(created, status=201)
+            new_obj = self.api.create(info, namespace, _parse_body(body, content_type), manager=manager)
+            return _json_response(new_obj, status=201)
         if verb == "update":
             updated = self.api.replace(
-                info, namespace, assert_name, _parse_body(body, content_type),
-                subresource=target.subresource, manager=manager,
+                info,
+                namespace,
+                assert_name,
+                _parse_body(body, content_type),
+                subresource=target.subresource,
+                manager=manager,
             )
             return _json_response(updated)
         if verb == "patch":
             kind = PATCH_CONTENT_TYPES.get(content_type)
             if kind is None:
-                raise errors.ApiError(415, "UnsupportedMediaType", f"the body of the request was in an unknown "
-                                      f"format - accepted media types include: {', '.join(PATCH_CONTENT_TYPES)}")
-            patched, created = self.api.patch(
-                info, namespace, assert_name, kind, _parse_body(body, content_type),
-                subresource=target.subresource, manager=params.get("fieldManager", "") if kind == "apply"
-                else manager, force=params.get("force", "").lower() in ("1", "true"),
+                raise errors.ApiError(
+                    415,
+                    "UnsupportedMediaType",
+                    f"the body of the request was in an unknown "
+                    f"format - accepted media types include: {', '.join(PATCH_CONTENT_TYPES)}",
+                )
+            patched_obj, created = self.api.patch(
+                info,
+                namespace,
+                assert_name,
+                kind,
+                _parse_body(body, content_type),
+                subresource=target.subresource,
+                manager=params.get("fieldManager", "") if kind == "apply" else manager,
+                force=params.get("force", "").lower() in ("1", "true"),
             )
-            return _json_response(patched, status=201 if created else 200)
+            return _json_response(patched_obj, status=201 if created else 200)
         if verb == "delete":
             options = _parse_body(body, "application/json") or {}
             propagation = params.get("propagationPolicy") or options.get("propagationPolicy") or "Background"
             deleted = self.api.delete(
-                info, namespace, assert_name, propagation=propagation,
+                info,
+                namespace,
+                assert_name,
+                propagation=propagation,
                 preconditions=options.get("preconditions"),
             )
             return _json_response(deleted)
         if verb == "deletecollection":
             deleted_items = self.api.delete_collection(
-                info, target.namespace, label_selector=params.get("labelSelector"),
+                info,
+                target.namespace,
+                label_selector=params.get("labelSelector"),
                 field_selector=params.get("fieldSelector"),
             )
             return _json_response(self._list_body(info, deleted_items))
@@ -261,7 +283,9 @@ class HttpFrontend:
         if tables.wants_table(accept):
             return _json_response(
                 tables.to_table(
-                    items, info, resource_version=str(self.api.store.resource_version),
+                    items,
+                    info,
+                    resource_version=str(self.api.store.resource_version),
                     include_object=params.get("includeObject", "Metadata"),
                 )
             )
@@ -273,7 +297,9 @@ class HttpFrontend:
         if tables.wants_table(accept):
             return _json_response(
                 tables.to_table(
-                    [obj], info, resource_version=obj["metadata"]["resourceVersion"],
+                    [obj],
+                    info,
+                    resource_version=obj["metadata"]["resourceVersion"],
                     include_object=params.get("includeObject", "Metadata"),
                 )
             )
@@ -302,7 +328,9 @@ class HttpFrontend:
         def render(obj: dict[str, Any]) -> dict[str, Any]:
             if tables.wants_table(accept):
                 return tables.to_table(
-                    [obj], info, resource_version=obj["metadata"].get("resourceVersion", ""),
+                    [obj],
+                    info,
+                    resource_version=obj["metadata"].get("resourceVersion", ""),
                     include_object=include_object,
                 )
             return obj

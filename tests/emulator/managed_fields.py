@@ -242,7 +242,7 @@ def server_side_apply(
         if not any(any(overlaps(path, owned) for owned in entry.paths) for entry in others):
             remove_path(base, path)
 
-    result = _apply_merge(base, applied)
+    result: dict[str, Any] = _apply_merge(base, applied)
     if mine.paths != applied_paths or _content(result) != _content(current or {}):
         mine.api_version, mine.time = api_version, now
     mine.paths = applied_paths

@@ -59,4 +59,3 @@ def verb_for(method: str, target: ResourcePath | None, params: Mapping[str, str]
     if method == "DELETE":
         return "delete" if target.name else "deletecollection"
     return {"POST": "create", "PUT": "update", "PATCH": "patch"}.get(method, method.lower())
-

@@ -40,8 +40,13 @@ class EmulatorHandler(kmock.RawHandler):
             request = await kmock.Request._parse(raw_request, id=len(self._requests))
         except ValueError:
             request = kmock.Request(
-                id=len(self._requests), raw_request=raw_request, url=raw_request.url, method=raw_request.method,
-                params=dict(raw_request.query), headers=dict(raw_request.headers), body=body,
+                id=len(self._requests),
+                raw_request=raw_request,
+                url=raw_request.url,
+                method=raw_request.method,
+                params=dict(raw_request.query),
+                headers=dict(raw_request.headers),
+                body=body,
             )
         self._requests.append(request)
         try:

@@ -46,7 +46,7 @@ class ObjectStore:
         found = self._objects[resource_key].get((namespace, name))
         return copy.deepcopy(found) if found is not None else None
 
-    def list(self, resource_key: str, namespace: str | None = None) -> list[dict[str, Any]]:
+    def list_objects(self, resource_key: str, namespace: str | None = None) -> list[dict[str, Any]]:
         objects = [
             copy.deepcopy(obj)
             for (obj_namespace, _), obj in sorted(self._objects[resource_key].items())

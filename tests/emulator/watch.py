@@ -122,7 +122,7 @@ async def _stream(
     info = watch.filter.info
     sent_up_to = store.resource_version
     if watch.send_initial_events or watch.resource_version in (None, "0"):
-        for obj in store.list(info.key, watch.filter.namespace):
+        for obj in store.list_objects(info.key, watch.filter.namespace):
             if watch.filter.matches(obj):
                 obj["apiVersion"], obj["kind"] = info.api_version, info.kind
                 await response.write(_line("ADDED", render(obj)))

@@ -13,9 +13,10 @@ import kubernetes
 GROUP, VERSION, PLURAL = "demo.emulator.io", "v1", "widgets"
 
 
-def _core() -> kubernetes.client.CoreV1Api:
+def _core() -> Any:
     # Built per call: the kubeconfig (and port) may change between operator runs in one process.
-    kubernetes.config.load_kube_config()
+    config: Any = kubernetes.config
+    config.load_kube_config()
     return kubernetes.client.CoreV1Api()
 
 
@@ -29,7 +30,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
 
 
 @kopf.on.create(GROUP, VERSION, PLURAL)
-def create_child(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, **_: Any) -> dict[str, str]:
+def create_child(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str | None, **_: Any) -> dict[str, str]:
     child: dict[str, Any] = {
         "apiVersion": "v1",
         "kind": "ConfigMap",
@@ -42,5 +43,5 @@ def create_child(body: kopf.Body, spec: kopf.Spec, name: str, namespace: str, **
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec.size")
-def update_child(spec: kopf.Spec, name: str, namespace: str, **_: Any) -> None:
+def update_child(spec: kopf.Spec, name: str, namespace: str | None, **_: Any) -> None:
     _core().patch_namespaced_config_map(f"{name}-child", namespace, {"data": {"size": str(spec.get("size", 0))}})

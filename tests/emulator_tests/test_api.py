@@ -63,8 +63,11 @@ def widget_crd(plural: str = "widgets", kind: str = "Widget") -> dict[str, Any]:
                     },
                     "additionalPrinterColumns": [
                         {"name": "Size", "type": "integer", "jsonPath": ".spec.size"},
-                        {"name": "Ready", "type": "string",
-                         "jsonPath": '.status.conditions[?(@.type=="Ready")].status'},
+                        {
+                            "name": "Ready",
+                            "type": "string",
+                            "jsonPath": '.status.conditions[?(@.type=="Ready")].status',
+                        },
                     ],
                 }
             ],
@@ -74,8 +77,10 @@ def widget_crd(plural: str = "widgets", kind: str = "Widget") -> dict[str, Any]:
 
 @pytest.fixture
 def widgets(shared_client: EmulatorClient) -> str:
-    if shared_client.get_or_none("apiextensions.k8s.io/v1", "customresourcedefinitions",
-                                 f"widgets.{CRD_GROUP}") is None:
+    if (
+        shared_client.get_or_none("apiextensions.k8s.io/v1", "customresourcedefinitions", f"widgets.{CRD_GROUP}")
+        is None
+    ):
         shared_client.create(widget_crd())
     return f"{CRD_GROUP}/v1"
 
@@ -121,8 +126,12 @@ def test_stale_resource_version_is_409_conflict(shared_client: EmulatorClient, t
         shared_client.replace(*CM, created)
     assert (error.value.status_code, error.value.reason) == (409, "Conflict")
     with pytest.raises(ApiError) as error:
-        shared_client.patch(*CM, "a", {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]}},
-                            namespace=test_namespace)
+        shared_client.patch(
+            *CM,
+            "a",
+            {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]}},
+            namespace=test_namespace,
+        )
     assert error.value.status_code == 409
 
 
@@ -139,21 +148,29 @@ def test_put_replaces_and_404s_when_missing(shared_client: EmulatorClient, test_
 def test_json_patch_failed_test_is_422(shared_client: EmulatorClient, test_namespace: str) -> None:
     shared_client.create(configmap("a", test_namespace))
     with pytest.raises(ApiError) as error:
-        shared_client.patch(*CM, "a", [{"op": "test", "path": "/data/key", "value": "wrong"}],
-                            namespace=test_namespace, patch_type="json")
+        shared_client.patch(
+            *CM,
+            "a",
+            [{"op": "test", "path": "/data/key", "value": "wrong"}],
+            namespace=test_namespace,
+            patch_type="json",
+        )
     assert error.value.status_code == 422
     patched = shared_client.patch(
-        *CM, "a",
+        *CM,
+        "a",
         [{"op": "test", "path": "/data/key", "value": "value"}, {"op": "add", "path": "/data/more", "value": "1"}],
-        namespace=test_namespace, patch_type="json",
+        namespace=test_namespace,
+        patch_type="json",
     )
     assert patched["data"] == {"key": "value", "more": "1"}
 
 
 def test_merge_patch_null_deletes(shared_client: EmulatorClient, test_namespace: str) -> None:
     shared_client.create(configmap("a", test_namespace, tier="x"))
-    patched = shared_client.patch(*CM, "a", {"metadata": {"labels": {"tier": None, "new": "y"}}},
-                                  namespace=test_namespace)
+    patched = shared_client.patch(
+        *CM, "a", {"metadata": {"labels": {"tier": None, "new": "y"}}}, namespace=test_namespace
+    )
     assert patched["metadata"]["labels"] == {"new": "y"}
 
 
@@ -170,24 +187,35 @@ def test_generation_bumps_on_spec_changes_only(shared_client: EmulatorClient, te
     assert created["metadata"]["generation"] == 1
     labelled = shared_client.patch(*DEPLOY, "d", {"metadata": {"labels": {"a": "b"}}}, namespace=test_namespace)
     assert labelled["metadata"]["generation"] == 1
-    status = shared_client.patch(*DEPLOY, "d", {"status": {"observedGeneration": 1}}, namespace=test_namespace,
-                                 subresource="status")
+    status = shared_client.patch(
+        *DEPLOY, "d", {"status": {"observedGeneration": 1}}, namespace=test_namespace, subresource="status"
+    )
     assert status["metadata"]["generation"] == 1
     assert int(status["metadata"]["resourceVersion"]) > int(labelled["metadata"]["resourceVersion"])
     scaled = shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 5}}, namespace=test_namespace)
     assert scaled["metadata"]["generation"] == 2
 
 
-def test_status_subresource_separates_status(
-    shared_client: EmulatorClient, test_namespace: str, widgets: str
-) -> None:
-    shared_client.create({"apiVersion": widgets, "kind": "Widget",
-                          "metadata": {"name": "w", "namespace": test_namespace},
-                          "spec": {"size": 1}, "status": {"ignored": True}})
+def test_status_subresource_separates_status(shared_client: EmulatorClient, test_namespace: str, widgets: str) -> None:
+    shared_client.create(
+        {
+            "apiVersion": widgets,
+            "kind": "Widget",
+            "metadata": {"name": "w", "namespace": test_namespace},
+            "spec": {"size": 1},
+            "status": {"ignored": True},
+        }
+    )
     found = shared_client.get(widgets, "widgets", "w", namespace=test_namespace)
     assert "status" not in found  # dropped on create: the CRD has a status subresource
-    shared_client.patch(widgets, "widgets", "w", {"status": {"phase": "Ok"}, "spec": {"size": 9}},
-                        namespace=test_namespace, subresource="status")
+    shared_client.patch(
+        widgets,
+        "widgets",
+        "w",
+        {"status": {"phase": "Ok"}, "spec": {"size": 9}},
+        namespace=test_namespace,
+        subresource="status",
+    )
     found = shared_client.get(widgets, "widgets", "w", namespace=test_namespace)
     assert found["status"] == {"phase": "Ok"} and found["spec"]["size"] == 1
     main = shared_client.patch(widgets, "widgets", "w", {"status": {"phase": "Hacked"}}, namespace=test_namespace)
@@ -203,13 +231,23 @@ def test_scale_subresource_of_deployment(shared_client: EmulatorClient, test_nam
     assert shared_client.get(*DEPLOY, "d", namespace=test_namespace)["spec"]["replicas"] == 4
 
 
-def test_scale_subresource_of_custom_resource(
-    shared_client: EmulatorClient, test_namespace: str, widgets: str
-) -> None:
-    shared_client.create({"apiVersion": widgets, "kind": "Widget",
-                          "metadata": {"name": "w", "namespace": test_namespace}, "spec": {"size": 1}})
-    shared_client.patch(widgets, "widgets", "w", {"status": {"size": 1, "selector": "app=w"}},
-                        namespace=test_namespace, subresource="status")
+def test_scale_subresource_of_custom_resource(shared_client: EmulatorClient, test_namespace: str, widgets: str) -> None:
+    shared_client.create(
+        {
+            "apiVersion": widgets,
+            "kind": "Widget",
+            "metadata": {"name": "w", "namespace": test_namespace},
+            "spec": {"size": 1},
+        }
+    )
+    shared_client.patch(
+        widgets,
+        "widgets",
+        "w",
+        {"status": {"size": 1, "selector": "app=w"}},
+        namespace=test_namespace,
+        subresource="status",
+    )
     scale = shared_client.get(widgets, "widgets", "w", namespace=test_namespace, subresource="scale")
     assert scale["spec"]["replicas"] == 1 and scale["status"] == {"replicas": 1, "selector": "app=w"}
     scale["spec"]["replicas"] = 3
@@ -243,8 +281,11 @@ def test_field_selectors_and_cluster_wide_list(shared_client: EmulatorClient, te
     shared_client.create(configmap("a", test_namespace))
     shared_client.create(configmap("b", test_namespace))
     by_name = shared_client.list(*CM, field_selector="metadata.name=a")
-    assert [(o["metadata"]["namespace"], o["metadata"]["name"]) for o in by_name if
-            o["metadata"]["namespace"] == test_namespace] == [(test_namespace, "a")]
+    assert [
+        (o["metadata"]["namespace"], o["metadata"]["name"])
+        for o in by_name
+        if o["metadata"]["namespace"] == test_namespace
+    ] == [(test_namespace, "a")]
     in_namespace = shared_client.list(*CM, field_selector=f"metadata.namespace={test_namespace},metadata.name!=a")
     assert [o["metadata"]["name"] for o in in_namespace] == ["b"]
 
@@ -270,9 +311,14 @@ def test_owner_garbage_collection_cascades(shared_client: EmulatorClient, test_n
 
     def owned_by(parent: dict[str, Any], name: str) -> dict[str, Any]:
         child = configmap(name, test_namespace)
-        child["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap",
-                                                 "name": parent["metadata"]["name"],
-                                                 "uid": parent["metadata"]["uid"]}]
+        child["metadata"]["ownerReferences"] = [
+            {
+                "apiVersion": "v1",
+                "kind": "ConfigMap",
+                "name": parent["metadata"]["name"],
+                "uid": parent["metadata"]["uid"],
+            }
+        ]
         return shared_client.create(child)
 
     child = owned_by(owner, "child")
@@ -286,8 +332,9 @@ def test_owner_garbage_collection_cascades(shared_client: EmulatorClient, test_n
 def test_orphan_propagation_keeps_dependents(shared_client: EmulatorClient, test_namespace: str) -> None:
     owner = shared_client.create(configmap("owner", test_namespace))
     child = configmap("child", test_namespace)
-    child["metadata"]["ownerReferences"] = [{"apiVersion": "v1", "kind": "ConfigMap", "name": "owner",
-                                             "uid": owner["metadata"]["uid"]}]
+    child["metadata"]["ownerReferences"] = [
+        {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}
+    ]
     shared_client.create(child)
     shared_client.delete(*CM, "owner", namespace=test_namespace, propagation="Orphan")
     kept = shared_client.get(*CM, "child", namespace=test_namespace)
@@ -313,8 +360,17 @@ def test_deleting_a_crd_unregisters_it(shared_client: EmulatorClient) -> None:
 
 def test_builtin_discovery(shared_client: EmulatorClient) -> None:
     expected = {
-        "/api/v1": {"pods", "services", "endpoints", "serviceaccounts", "secrets", "configmaps",
-                    "persistentvolumeclaims", "events", "namespaces"},
+        "/api/v1": {
+            "pods",
+            "services",
+            "endpoints",
+            "serviceaccounts",
+            "secrets",
+            "configmaps",
+            "persistentvolumeclaims",
+            "events",
+            "namespaces",
+        },
         "/apis/apps/v1": {"deployments", "statefulsets", "deployments/scale"},
         "/apis/policy/v1": {"poddisruptionbudgets"},
         "/apis/networking.k8s.io/v1": {"networkpolicies"},
@@ -343,8 +399,9 @@ def test_generate_name(shared_client: EmulatorClient, test_namespace: str) -> No
 def test_delete_collection_with_selector(shared_client: EmulatorClient, test_namespace: str) -> None:
     shared_client.create(configmap("a", test_namespace, drop="yes"))
     shared_client.create(configmap("b", test_namespace))
-    shared_client.request("DELETE", f"/api/v1/namespaces/{test_namespace}/configmaps",
-                          params={"labelSelector": "drop=yes"})
+    shared_client.request(
+        "DELETE", f"/api/v1/namespaces/{test_namespace}/configmaps", params={"labelSelector": "drop=yes"}
+    )
     assert [o["metadata"]["name"] for o in shared_client.list(*CM, namespace=test_namespace)] == ["b"]
 
 
@@ -359,13 +416,26 @@ def test_namespaces_must_exist_and_deleting_one_empties_it(shared_client: Emulat
 
 
 def test_events_are_accepted(shared_client: EmulatorClient, test_namespace: str) -> None:
-    core = {"apiVersion": "v1", "kind": "Event", "metadata": {"generateName": "e-", "namespace": test_namespace},
-            "reason": "Test", "message": "hello", "involvedObject": {"kind": "ConfigMap", "name": "a"}}
+    core = {
+        "apiVersion": "v1",
+        "kind": "Event",
+        "metadata": {"generateName": "e-", "namespace": test_namespace},
+        "reason": "Test",
+        "message": "hello",
+        "involvedObject": {"kind": "ConfigMap", "name": "a"},
+    }
     shared_client.create(core)
-    modern = {"apiVersion": "events.k8s.io/v1", "kind": "Event",
-              "metadata": {"generateName": "e-", "namespace": test_namespace}, "reason": "Test", "note": "hi",
-              "eventTime": "2026-01-01T00:00:00.000000Z", "reportingController": "x", "reportingInstance": "y",
-              "action": "Testing"}
+    modern = {
+        "apiVersion": "events.k8s.io/v1",
+        "kind": "Event",
+        "metadata": {"generateName": "e-", "namespace": test_namespace},
+        "reason": "Test",
+        "note": "hi",
+        "eventTime": "2026-01-01T00:00:00.000000Z",
+        "reportingController": "x",
+        "reportingInstance": "y",
+        "action": "Testing",
+    }
     shared_client.create(modern)
     assert len(shared_client.list("v1", "events", namespace=test_namespace)) == 1
     assert len(shared_client.list("events.k8s.io/v1", "events", namespace=test_namespace)) == 1
@@ -376,21 +446,41 @@ def test_request_log_records_verbs(shared_client: EmulatorClient, test_namespace
     shared_client.create(configmap("a", test_namespace))
     shared_client.list(*CM, namespace=test_namespace)
     shared_client.delete(*CM, "a", namespace=test_namespace)
-    log = [(r["verb"], r["resource"], r["namespace"]) for r in shared_client.requests_log()
-           if r["resource"] == "configmaps"]
-    assert log == [("create", "configmaps", test_namespace), ("list", "configmaps", test_namespace),
-                   ("delete", "configmaps", test_namespace)]
+    log = [
+        (r["verb"], r["resource"], r["namespace"])
+        for r in shared_client.requests_log()
+        if r["resource"] == "configmaps"
+    ]
+    assert log == [
+        ("create", "configmaps", test_namespace),
+        ("list", "configmaps", test_namespace),
+        ("delete", "configmaps", test_namespace),
+    ]
     assert all(r["user_agent"].startswith("emulator-test-client") for r in shared_client.requests_log())
 
 
 def test_table_for_crd_printer_columns(shared_client: EmulatorClient, test_namespace: str, widgets: str) -> None:
-    shared_client.create({"apiVersion": widgets, "kind": "Widget",
-                          "metadata": {"name": "w", "namespace": test_namespace}, "spec": {"size": 3}})
-    shared_client.patch(widgets, "widgets", "w", {"status": {"conditions": [
-        {"type": "Other", "status": "False"}, {"type": "Ready", "status": "True"}]}},
-        namespace=test_namespace, subresource="status")
-    table = shared_client.request("GET", f"/apis/{widgets}/namespaces/{test_namespace}/widgets",
-                                  headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"})
+    shared_client.create(
+        {
+            "apiVersion": widgets,
+            "kind": "Widget",
+            "metadata": {"name": "w", "namespace": test_namespace},
+            "spec": {"size": 3},
+        }
+    )
+    shared_client.patch(
+        widgets,
+        "widgets",
+        "w",
+        {"status": {"conditions": [{"type": "Other", "status": "False"}, {"type": "Ready", "status": "True"}]}},
+        namespace=test_namespace,
+        subresource="status",
+    )
+    table = shared_client.request(
+        "GET",
+        f"/apis/{widgets}/namespaces/{test_namespace}/widgets",
+        headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
+    )
     assert table["kind"] == "Table"
     assert [c["name"] for c in table["columnDefinitions"]] == ["Name", "Size", "Ready"]
     assert table["rows"][0]["cells"] == ["w", 3, "True"]
@@ -429,7 +519,8 @@ def test_watch_resumes_from_resource_version(shared_client: EmulatorClient, test
     shared_client.create(configmap("b", test_namespace))
     shared_client.patch(*CM, "a", {"data": {"x": "y"}}, namespace=test_namespace)
     with shared_client.http.stream(
-        "GET", f"/api/v1/namespaces/{test_namespace}/configmaps",
+        "GET",
+        f"/api/v1/namespaces/{test_namespace}/configmaps",
         params={"watch": "true", "resourceVersion": first["metadata"]["resourceVersion"], "timeoutSeconds": "1"},
     ) as response:
         assert response.headers["content-type"].startswith("application/json")
@@ -443,7 +534,8 @@ def test_watch_with_old_resource_version_is_410(shared_client: EmulatorClient, t
     shared_client.compact()
 
     with shared_client.http.stream(
-        "GET", f"/api/v1/namespaces/{test_namespace}/configmaps",
+        "GET",
+        f"/api/v1/namespaces/{test_namespace}/configmaps",
         params={"watch": "true", "resourceVersion": first["metadata"]["resourceVersion"], "timeoutSeconds": "1"},
     ) as response:
         events = [json.loads(line) for line in response.iter_lines() if line]

@@ -37,7 +37,9 @@ def operator(persistent_emulator: EmulatorProcess, tmp_path: Path) -> Iterator[s
     log = (tmp_path / "operator.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--verbose", str(OPERATOR)],
-        env=persistent_emulator.env(), stdout=log, stderr=subprocess.STDOUT,
+        env=persistent_emulator.env(),
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     try:
         yield process
@@ -48,8 +50,12 @@ def operator(persistent_emulator: EmulatorProcess, tmp_path: Path) -> Iterator[s
 
 
 def _widget(name: str, size: int) -> dict[str, Any]:
-    return {"apiVersion": WIDGETS[0], "kind": "Widget", "metadata": {"name": name, "namespace": "default"},
-            "spec": {"size": size}}
+    return {
+        "apiVersion": WIDGETS[0],
+        "kind": "Widget",
+        "metadata": {"name": name, "namespace": "default"},
+        "spec": {"size": size},
+    }
 
 
 def _child_size(client: EmulatorClient, name: str) -> str | None:
@@ -81,6 +87,9 @@ def test_operator_creates_updates_and_survives_an_emulator_restart(
 
         # Deleting the owner garbage-collects the child once kopf releases its finalizer.
         client.delete(*WIDGETS, "w1", namespace="default")
-        wait_for(lambda: client.get_or_none("v1", "configmaps", "w1-child", namespace="default") is None,
-                 timeout=30, message="garbage collection of the child")
+        wait_for(
+            lambda: client.get_or_none("v1", "configmaps", "w1-child", namespace="default") is None,
+            timeout=30,
+            message="garbage collection of the child",
+        )
     assert operator.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]

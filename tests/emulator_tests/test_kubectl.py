@@ -81,8 +81,15 @@ def test_get_crd_short_name_shows_printer_columns(kubectl: Kubectl, client: Emul
     kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(widget_crd()))
     widget = {"apiVersion": "demo.emulator.io/v1", "kind": "Widget", "metadata": {"name": "w1"}, "spec": {"size": 7}}
     kubectl("apply", "--validate=false", "-f", "-", input=json.dumps(widget))
-    kubectl("patch", "wid", "w1", "--subresource=status", "--type=merge",
-            "-p", json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}))
+    kubectl(
+        "patch",
+        "wid",
+        "w1",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        json.dumps({"status": {"conditions": [{"type": "Ready", "status": "True"}]}}),
+    )
     lines = kubectl("get", "wid").stdout.splitlines()
     assert lines[0].split() == ["NAME", "SIZE", "READY"]
     assert lines[1].split() == ["w1", "7", "True"]
@@ -109,8 +116,15 @@ def test_scale_deployment_and_custom_resource(kubectl: Kubectl, client: Emulator
 
 def test_patch_status_subresource_and_delete(kubectl: Kubectl, client: EmulatorClient, namespace: str) -> None:
     kubectl("apply", "--validate=false", "-f", "-", input=DEPLOYMENT_YAML)
-    kubectl("patch", "deployment", "web", "--subresource=status", "--type=merge",
-            "-p", '{"status": {"conditions": [{"type": "Custom", "status": "True"}]}}')
+    kubectl(
+        "patch",
+        "deployment",
+        "web",
+        "--subresource=status",
+        "--type=merge",
+        "-p",
+        '{"status": {"conditions": [{"type": "Custom", "status": "True"}]}}',
+    )
     wait_for(lambda: client.get("apps/v1", "deployments", "web", namespace=namespace))
     kubectl("delete", "deployment", "web")
     assert client.get_or_none("apps/v1", "deployments", "web", namespace=namespace) is None

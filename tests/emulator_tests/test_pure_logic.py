@@ -83,18 +83,25 @@ def test_empty_merge_patch_changes_nothing_but_nulls(target: dict[str, Any]) -> 
 
 def test_json_patch_operations_and_failures() -> None:
     document = {"a": {"b": [1, 2]}}
-    patched = patching.json_patch(document, [
-        {"op": "add", "path": "/a/b/-", "value": 3},
-        {"op": "replace", "path": "/a/b/0", "value": 0},
-        {"op": "copy", "from": "/a/b", "path": "/c"},
-        {"op": "move", "from": "/c", "path": "/d"},
-        {"op": "remove", "path": "/a/b/1"},
-        {"op": "test", "path": "/d", "value": [0, 2, 3]},
-    ])
+    patched = patching.json_patch(
+        document,
+        [
+            {"op": "add", "path": "/a/b/-", "value": 3},
+            {"op": "replace", "path": "/a/b/0", "value": 0},
+            {"op": "copy", "from": "/a/b", "path": "/c"},
+            {"op": "move", "from": "/c", "path": "/d"},
+            {"op": "remove", "path": "/a/b/1"},
+            {"op": "test", "path": "/d", "value": [0, 2, 3]},
+        ],
+    )
     assert patched == {"a": {"b": [0, 3]}, "d": [0, 2, 3]}
     assert document == {"a": {"b": [1, 2]}}  # not mutated
-    for bad in ([{"op": "test", "path": "/a", "value": 1}], [{"op": "remove", "path": "/zzz"}],
-                [{"op": "replace", "path": "/a/b/9", "value": 1}], {"op": "add"}):
+    for bad in (
+        [{"op": "test", "path": "/a", "value": 1}],
+        [{"op": "remove", "path": "/zzz"}],
+        [{"op": "replace", "path": "/a/b/9", "value": 1}],
+        {"op": "add"},
+    ):
         with pytest.raises(patching.PatchError):
             patching.json_patch(document, bad)
 
@@ -124,15 +131,25 @@ def test_strategic_merge_directives() -> None:
     ],
 )
 def test_json_path_subset(path: str, expected: list[Any]) -> None:
-    obj = {"spec": {"size": 3}, "status": {"conditions": [{"type": "Synced", "status": "False"},
-                                                           {"type": "Ready", "status": "True"}]}}
+    obj = {
+        "spec": {"size": 3},
+        "status": {"conditions": [{"type": "Synced", "status": "False"}, {"type": "Ready", "status": "True"}]},
+    }
     assert tables.evaluate_json_path(obj, path) == expected
 
 
 @pytest.mark.parametrize(
     ("seconds", "expected"),
-    [(5, "5s"), (119, "119s"), (150, "2m30s"), (600, "10m"), (3 * 3600 + 60, "3h1m"), (30 * 3600, "30h"),
-     (3 * 86400, "3d"), (20 * 86400, "20d")],
+    [
+        (5, "5s"),
+        (119, "119s"),
+        (150, "2m30s"),
+        (600, "10m"),
+        (3 * 3600 + 60, "3h1m"),
+        (30 * 3600, "30h"),
+        (3 * 86400, "3d"),
+        (20 * 86400, "20d"),
+    ],
 )
 def test_human_duration(seconds: int, expected: str) -> None:
     assert tables.human_duration(seconds) == expected
@@ -145,9 +162,17 @@ def test_table_default_and_printer_columns() -> None:
     assert [c["name"] for c in plain["columnDefinitions"]] == ["Name", "Age"]
     assert plain["rows"][0]["cells"] == ["w", "10m"]
     assert plain["rows"][0]["object"]["kind"] == "PartialObjectMetadata"
-    info = ResourceInfo(group="g", version="v1", plural="ws", kind="W", namespaced=True,
-                        printer_columns=(PrinterColumn("Size", "integer", ".spec.size"),
-                                         PrinterColumn("Phase", "string", ".status.phase")))
+    info = ResourceInfo(
+        group="g",
+        version="v1",
+        plural="ws",
+        kind="W",
+        namespaced=True,
+        printer_columns=(
+            PrinterColumn("Size", "integer", ".spec.size"),
+            PrinterColumn("Phase", "string", ".status.phase"),
+        ),
+    )
     custom = tables.to_table([obj], info, resource_version="1", now=now, include_object="None")
     assert custom["rows"] == [{"cells": ["w", 2, None]}]
 
@@ -160,12 +185,19 @@ def test_wants_table_only_when_table_is_preferred() -> None:
 
 @pytest.mark.parametrize(
     ("annotations", "ready"),
-    [({}, 3), ({controllers.READY_ANNOTATION: "false"}, 0), ({controllers.READY_REPLICAS_ANNOTATION: "2"}, 2),
-     ({controllers.READY_REPLICAS_ANNOTATION: "9"}, 3)],
+    [
+        ({}, 3),
+        ({controllers.READY_ANNOTATION: "false"}, 0),
+        ({controllers.READY_REPLICAS_ANNOTATION: "2"}, 2),
+        ({controllers.READY_REPLICAS_ANNOTATION: "9"}, 3),
+    ],
 )
 def test_fake_controller_status(annotations: dict[str, str], ready: int) -> None:
-    deployment = {"kind": "Deployment", "metadata": {"generation": 4, "annotations": annotations},
-                  "spec": {"replicas": 3}}
+    deployment = {
+        "kind": "Deployment",
+        "metadata": {"generation": 4, "annotations": annotations},
+        "spec": {"replicas": 3},
+    }
     status = controllers.desired_status(deployment)
     assert status.get("readyReplicas", 0) == ready and status["replicas"] == 3
     assert status["observedGeneration"] == 4

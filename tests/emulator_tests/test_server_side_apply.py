@@ -34,8 +34,9 @@ def test_scale_takes_replicas_and_reapply_without_them_leaves_them(
 ) -> None:
     desired = deployment("d", test_namespace, replicas=2)
     shared_client.apply(desired, field_manager="operator")
-    shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 7}}, namespace=test_namespace,
-                        subresource="scale", field_manager="hpa")
+    shared_client.patch(
+        *DEPLOY, "d", {"spec": {"replicas": 7}}, namespace=test_namespace, subresource="scale", field_manager="hpa"
+    )
     scaled = _get(shared_client, test_namespace)
     assert managed_fields.owners_of(scaled, "spec.replicas") == ["hpa"]
 
@@ -45,9 +46,7 @@ def test_scale_takes_replicas_and_reapply_without_them_leaves_them(
     assert managed_fields.owners_of(after, "spec.replicas") == ["hpa"]
 
 
-def test_reapply_without_a_solely_owned_field_removes_it(
-    shared_client: EmulatorClient, test_namespace: str
-) -> None:
+def test_reapply_without_a_solely_owned_field_removes_it(shared_client: EmulatorClient, test_namespace: str) -> None:
     desired = deployment("d", test_namespace, replicas=2)
     desired["metadata"]["labels"] = {"team": "a"}
     shared_client.apply(desired, field_manager="operator")
@@ -62,9 +61,14 @@ def test_apply_of_a_field_owned_by_another_manager_conflicts_unless_forced(
     desired = deployment("d", test_namespace, replicas=2)
     shared_client.apply(desired, field_manager="operator")
     shared_client.apply(
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": test_namespace},
-         "spec": {"replicas": 5}},
-        field_manager="autoscaler", force=True,
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "d", "namespace": test_namespace},
+            "spec": {"replicas": 5},
+        },
+        field_manager="autoscaler",
+        force=True,
     )
     with pytest.raises(ApiError) as error:
         shared_client.apply(desired, field_manager="operator")
@@ -78,12 +82,18 @@ def test_apply_of_a_field_owned_by_another_manager_conflicts_unless_forced(
 def test_same_value_is_shared_ownership(shared_client: EmulatorClient, test_namespace: str) -> None:
     shared_client.apply(deployment("d", test_namespace, replicas=3), field_manager="operator")
     shared_client.apply(
-        {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": "d", "namespace": test_namespace},
-         "spec": {"replicas": 3}},
+        {
+            "apiVersion": "apps/v1",
+            "kind": "Deployment",
+            "metadata": {"name": "d", "namespace": test_namespace},
+            "spec": {"replicas": 3},
+        },
         field_manager="other",
     )
     assert sorted(managed_fields.owners_of(_get(shared_client, test_namespace), "spec.replicas")) == [
-        "operator", "other"]
+        "operator",
+        "other",
+    ]
     # The operator drops replicas; the other manager still owns them, so they stay.
     shared_client.apply(_without_replicas(deployment("d", test_namespace)), field_manager="operator")
     assert _get(shared_client, test_namespace)["spec"]["replicas"] == 3
@@ -112,12 +122,24 @@ def test_server_side_apply_function_conflict_lists_paths() -> None:
         return managed_fields.track_main_resource(path, has_status_subresource=True)
 
     current = managed_fields.server_side_apply(
-        None, {"spec": {"replicas": 1}}, manager="a", force=False, subresource="", api_version="v1",
-        now="t", tracked=tracked,
+        None,
+        {"spec": {"replicas": 1}},
+        manager="a",
+        force=False,
+        subresource="",
+        api_version="v1",
+        now="t",
+        tracked=tracked,
     )
     with pytest.raises(managed_fields.ApplyConflict) as error:
         managed_fields.server_side_apply(
-            current, {"spec": {"replicas": 2}}, manager="b", force=False, subresource="", api_version="v1",
-            now="t", tracked=tracked,
+            current,
+            {"spec": {"replicas": 2}},
+            manager="b",
+            force=False,
+            subresource="",
+            api_version="v1",
+            now="t",
+            tracked=tracked,
         )
     assert error.value.conflicts == [(("spec", "replicas"), "a")]

@@ -29,8 +29,13 @@ def test_watch_with_selector_reports_objects_entering_and_leaving(
     shared_client.patch("v1", "configmaps", "a", {"metadata": {"labels": {"pick": "me"}}}, namespace=test_namespace)
     shared_client.patch("v1", "configmaps", "a", {"data": {"x": "1"}}, namespace=test_namespace)
     shared_client.patch("v1", "configmaps", "a", {"metadata": {"labels": {"pick": None}}}, namespace=test_namespace)
-    events = _watch(shared_client, f"/api/v1/namespaces/{test_namespace}/configmaps", labelSelector="pick=me",
-                    resourceVersion=start["metadata"]["resourceVersion"], timeoutSeconds="1")
+    events = _watch(
+        shared_client,
+        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        labelSelector="pick=me",
+        resourceVersion=start["metadata"]["resourceVersion"],
+        timeoutSeconds="1",
+    )
     assert [event["type"] for event in events] == ["ADDED", "MODIFIED", "DELETED"]
 
 
@@ -39,8 +44,9 @@ def test_watch_without_resource_version_lists_first_and_times_out(
 ) -> None:
     shared_client.create(configmap("a", test_namespace))
     started = time.monotonic()
-    events = _watch(shared_client, f"/api/v1/namespaces/{test_namespace}/configmaps", timeoutSeconds="1",
-                    allowWatchBookmarks="true")
+    events = _watch(
+        shared_client, f"/api/v1/namespaces/{test_namespace}/configmaps", timeoutSeconds="1", allowWatchBookmarks="true"
+    )
     assert 0.9 <= time.monotonic() - started < 5
     assert [event["type"] for event in events] == ["ADDED", "BOOKMARK"]
     assert int(events[-1]["object"]["metadata"]["resourceVersion"]) > 0
@@ -54,16 +60,26 @@ def test_watch_sees_live_events(shared_client: EmulatorClient, test_namespace: s
 
     writer = threading.Thread(target=later)
     writer.start()
-    events = _watch(shared_client, f"/api/v1/namespaces/{test_namespace}/configmaps", timeoutSeconds="2",
-                    resourceVersion=str(shared_client.request("GET", "/emulator/health")["resourceVersion"]))
+    events = _watch(
+        shared_client,
+        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        timeoutSeconds="2",
+        resourceVersion=str(shared_client.request("GET", "/emulator/health")["resourceVersion"]),
+    )
     writer.join()
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "live")]
 
 
 def test_watch_initial_events_end_with_a_bookmark(shared_client: EmulatorClient, test_namespace: str) -> None:
     shared_client.create(configmap("a", test_namespace))
-    events = _watch(shared_client, f"/api/v1/namespaces/{test_namespace}/configmaps", timeoutSeconds="1",
-                    sendInitialEvents="true", allowWatchBookmarks="true", resourceVersionMatch="NotOlderThan")
+    events = _watch(
+        shared_client,
+        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        timeoutSeconds="1",
+        sendInitialEvents="true",
+        allowWatchBookmarks="true",
+        resourceVersionMatch="NotOlderThan",
+    )
     assert events[0]["type"] == "ADDED"
     assert events[1]["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
 
@@ -71,7 +87,8 @@ def test_watch_initial_events_end_with_a_bookmark(shared_client: EmulatorClient,
 def test_table_watch_for_kubectl(shared_client: EmulatorClient, test_namespace: str) -> None:
     shared_client.create(configmap("a", test_namespace))
     with shared_client.http.stream(
-        "GET", f"/api/v1/namespaces/{test_namespace}/configmaps",
+        "GET",
+        f"/api/v1/namespaces/{test_namespace}/configmaps",
         params={"watch": "true", "timeoutSeconds": "1"},
         headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"},
     ) as response:
