@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import shutil
 import sys
 import time
 from dataclasses import dataclass
@@ -129,7 +130,12 @@ class LocalStack:
         )
         process = self.supervisor.start(spec)
         self._wait_exit(process, timeout=600.0)
-        os.replace(partial, model_dir)
+        try:
+            os.replace(partial, model_dir)
+        except OSError as error:
+            shutil.rmtree(partial, ignore_errors=True)
+            if not (model_dir / "config.json").exists():  # else another `up` finished its build first
+                raise StartupError(f"cannot move the tiny model into {model_dir}: {error.strerror or error}") from error
         self.progress.say(f"tiny model built in {model_dir}")
         return str(model_dir)
 

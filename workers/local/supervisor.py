@@ -20,7 +20,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
-from typing import TextIO
+from typing import BinaryIO, TextIO
 
 import httpx
 
@@ -127,21 +127,28 @@ class Supervisor:
         log_path = self.run_dir / f"{spec.name}.log"
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
         with log_path.open("ab") as log:
-            popen = subprocess.Popen(
-                spec.argv,
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=env,
-                start_new_session=True,
-                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )
+            try:
+                popen = self._spawn(spec, log, env)
+            except OSError as error:
+                raise StartupError(f"cannot start {spec.name} ({spec.argv[0]}): {error.strerror or error}") from error
         process = RunningProcess(spec=spec, popen=popen, log_path=log_path, started_at=self.progress.elapsed())
         self.processes.append(process)
         self._write_state()
         where = f" on port {spec.port}" if spec.port else ""
         self.progress.say(f"starting {spec.name}{where} (pid {popen.pid}, log {log_path.name})")
         return process
+
+    @staticmethod
+    def _spawn(spec: ProcessSpec, log: BinaryIO, env: dict[str, str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(
+            spec.argv,
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=env,
+            start_new_session=True,
+            preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+        )
 
     def _write_state(self) -> None:
         """run.json: what runs where, for people and scripts looking at a live run."""

@@ -1,0 +1,28 @@
+"""Stands in for `python -m splitserve` in tests: only `tiny-model DIR`, which it fakes quickly.
+
+Each call appends a line to $FAKE_SPLITSERVE_CALLS; FAKE_TINY_MODEL_FAIL=1 makes the build fail.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+from pathlib import Path
+
+
+def main() -> int:
+    with open(os.environ["FAKE_SPLITSERVE_CALLS"], "a") as calls:
+        calls.write(" ".join(sys.argv[1:]) + "\n")
+    if sys.argv[1:2] != ["tiny-model"]:
+        return 2
+    if os.environ.get("FAKE_TINY_MODEL_FAIL"):
+        print("tiny-model: tokenizer training failed: no more bytes", flush=True)
+        return 1
+    target = Path(sys.argv[2])
+    target.mkdir(parents=True)
+    (target / "config.json").write_text('{"model_type": "llama"}')
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
