@@ -17,6 +17,7 @@ from splitserve.sim.config import EngineLimits
 from splitserve.sim.tokens import chat_prompt, tokenize
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
+MAX_TOKEN_ID = 2**31
 
 ERROR_TYPES = {
     400: "BadRequestError",
@@ -89,6 +90,8 @@ def prompt_tokens_of(body: dict[str, object], chat: bool) -> list[int]:
     if isinstance(prompt, str):
         return tokenize(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        if not all(0 <= t < MAX_TOKEN_ID for t in prompt):
+            raise RequestError(400, f"token ids in 'prompt' must be between 0 and {MAX_TOKEN_ID - 1}")
         return list(prompt)
     raise RequestError(400, "'prompt' must be a string or a list of token ids (batched prompts are not simulated)")
 
