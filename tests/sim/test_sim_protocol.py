@@ -14,7 +14,12 @@ from splitserve.sim.protocol import RequestError, parse_generation, parse_json_o
 
 LIMITS = PROFILES["cpu-tiny"].limits
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 5000) | st.integers() | st.floats(allow_nan=False) | st.text(max_size=20),
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 5000)
+    | st.integers()
+    | st.floats(allow_nan=False)
+    | st.text(max_size=20),
     lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
     max_leaves=12,
 )
