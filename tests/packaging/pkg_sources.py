@@ -25,6 +25,15 @@ KOPF_PEERING_CRD = CHART_CRD_DIR / "kopf.dev_peerings.yaml"
 KUSTOMIZE_DIR = REPO_ROOT / "deploy" / "kustomize"
 KUSTOMIZE_CRD_DIR = KUSTOMIZE_DIR / "base" / "crds"
 KUSTOMIZE_RBAC_FILE = KUSTOMIZE_DIR / "base" / "rbac.yaml"
+CLUSTER_GUIDE = REPO_ROOT / "docs" / "cluster-guide.md"
+RBAC_TABLE_START = "<!-- rbac-table:start (generated from charts/splitserve/files/rbac-rules.yaml) -->"
+RBAC_TABLE_END = "<!-- rbac-table:end -->"
+SCOPE_WORDING = {
+    "watched": "watched namespaces",
+    "namespacedOnly": "watched namespaces (namespaced installs)",
+    "clusterOnly": "cluster (cluster-wide installs)",
+    "cluster": "cluster (every install)",
+}
 
 # Scopes of rbac-rules.yaml that a cluster-wide install grants through its ClusterRole.
 CLUSTER_WIDE_SCOPES = ("cluster", "clusterOnly", "watched")
@@ -94,6 +103,24 @@ def kustomize_rbac_manifest() -> str:
     return header + yaml.safe_dump_all([role, binding], sort_keys=False)
 
 
+def rbac_markdown_table() -> str:
+    """The operator's permissions as the Markdown table of docs/cluster-guide.md."""
+    lines = ["| API group | Resources | Verbs | Where | Why |", "|---|---|---|---|---|"]
+    for rule in load_rbac_rules():
+        groups = ", ".join(f"`{group}`" if group else "core" for group in rule["apiGroups"])
+        resources = ", ".join(f"`{resource}`" for resource in rule["resources"])
+        verbs = ", ".join(rule["verbs"])
+        lines.append(f"| {groups} | {resources} | {verbs} | {SCOPE_WORDING[rule['scope']]} | {rule['why']} |")
+    return "\n".join([RBAC_TABLE_START, *lines, RBAC_TABLE_END])
+
+
+def guide_with_rbac_table(guide: str) -> str:
+    """The guide's text with the table between the markers replaced by the current one."""
+    start = guide.index(RBAC_TABLE_START)
+    end = guide.index(RBAC_TABLE_END) + len(RBAC_TABLE_END)
+    return guide[:start] + rbac_markdown_table() + guide[end:]
+
+
 def expected_generated_files() -> dict[Path, str]:
     """Every derived file and the content it must have."""
     files: dict[Path, str] = {}
@@ -102,6 +129,8 @@ def expected_generated_files() -> dict[Path, str]:
         files[KUSTOMIZE_CRD_DIR / name] = content
     files[KUSTOMIZE_CRD_DIR / "kustomization.yaml"] = kustomize_crd_kustomization()
     files[KUSTOMIZE_RBAC_FILE] = kustomize_rbac_manifest()
+    if CLUSTER_GUIDE.exists() and RBAC_TABLE_START in CLUSTER_GUIDE.read_text():
+        files[CLUSTER_GUIDE] = guide_with_rbac_table(CLUSTER_GUIDE.read_text())
     return files
 
 
