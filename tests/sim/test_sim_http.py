@@ -139,6 +139,10 @@ async def test_models_health_tokenize(http: aiohttp.ClientSession) -> None:
         assert models["data"][0]["id"] == "tiny" and models["data"][0]["max_model_len"] == 2048
         async with http.get(worker.url + "/health") as reply:
             assert reply.status == 200
+        async with http.get(worker.url + "/version") as reply:
+            assert "version" in await reply.json()
+        async with http.get(worker.url + "/load") as reply:
+            assert await reply.json() == {"server_load": 0}
         status, body = await post(http, worker.url + "/tokenize", {"model": "tiny", "prompt": "Hello, world!"})
         assert status == 200 and body["count"] == 4 and body["tokens"] == tokenize("Hello, world!")
 

@@ -44,6 +44,7 @@ HTTP endpoints
         plus splitserve_sim_steps_total and splitserve_sim_step_lag_seconds_total, the time steps
         ended later than modelled because the process was short of CPU: check it in benchmarks),
     POST /tokenize {"prompt"| "messages"} -> {"count", "max_model_len", "tokens"}.
+    GET /version -> {"version"}, GET /load -> {"server_load": requests in flight}.
     POST /admin/faults {"status": 500|null, "fail_rate": p, "fail_after_tokens": n|null, "clear": true}
         changes injected faults live; GET /admin/faults shows them.
     POST /internal/kv/pull  the KV side channel (prefill side), see below.

@@ -45,6 +45,7 @@ from splitserve.sim.tokens import output_text
 
 log = logging.getLogger(__name__)
 T = TypeVar("T")
+SIM_VERSION = "0.1.0+splitserve-sim"
 
 
 @dataclass
@@ -124,6 +125,8 @@ class SimWorker:
                 web.post("/v1/chat/completions", self._chat_completions),
                 web.get("/v1/models", self._models),
                 web.get("/health", self._health),
+                web.get("/version", self._version),
+                web.get("/load", self._load),
                 web.get("/metrics", self._metrics),
                 web.post("/tokenize", self._tokenize),
                 web.post("/internal/kv/pull", self._kv_pull),
@@ -390,6 +393,13 @@ class SimWorker:
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.draining else 200)
+
+    async def _version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": SIM_VERSION})
+
+    async def _load(self, request: web.Request) -> web.Response:
+        # vLLM's --enable-server-load-tracking endpoint: requests the HTTP server is working on.
+        return web.json_response({"server_load": self._in_flight})
 
     async def _metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=self._engine().metrics.exposition(), headers={"Content-Type": CONTENT_TYPE_LATEST})
