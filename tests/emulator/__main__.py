@@ -22,12 +22,23 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--no-fake-controllers", action="store_true", help="do not fill in Deployment/StatefulSet status"
     )
+    parser.add_argument(
+        "--omit",
+        action="append",
+        default=[],
+        metavar="GROUP[/PLURAL]",
+        help="do not serve this built-in API group or resource (e.g. monitoring.coreos.com); repeatable",
+    )
     return parser
 
 
 async def _serve(args: argparse.Namespace) -> None:
     async with running_emulator(
-        host=args.host, port=args.port, state_file=args.state, fake_controllers=not args.no_fake_controllers
+        host=args.host,
+        port=args.port,
+        state_file=args.state,
+        fake_controllers=not args.no_fake_controllers,
+        omitted_resources=args.omit,
     ) as emulator:
         if args.kubeconfig is not None:
             write_kubeconfig(args.kubeconfig, emulator.url)

@@ -216,3 +216,83 @@ def wait_for(
             return last
         time.sleep(interval)
     raise TimeoutError(f"timed out after {timeout}s waiting for {message} (last: {last!r})")
+
+
+class AsyncEmulatorClient:
+    """The async twin of EmulatorClient (same paths and errors) for tests running on an event loop."""
+
+    def __init__(self, base_url: str, *, user_agent: str = "emulator-test-client/1.0") -> None:
+        self.base_url = base_url
+        self.http = httpx.AsyncClient(base_url=base_url, headers={"User-Agent": user_agent}, timeout=10.0)
+
+    async def __aenter__(self) -> AsyncEmulatorClient:
+        return self
+
+    async def __aexit__(self, *_: object) -> None:
+        await self.http.aclose()
+
+    async def request(self, method: str, path: str, **kwargs: Any) -> Any:
+        response = await self.http.request(method, path, **kwargs)
+        body: Any = response.json() if response.content else None
+        if response.status_code >= 400:
+            raise ApiError(response.status_code, body)
+        return body
+
+    async def create(
+        self, api_version: str, plural: str, obj: Mapping[str, Any], *, namespace: str | None = None
+    ) -> JsonObject:
+        created: JsonObject = await self.request(
+            "POST", resource_path(api_version, plural, namespace=namespace), json=dict(obj)
+        )
+        return created
+
+    async def get(
+        self, api_version: str, plural: str, name: str, *, namespace: str | None = None, subresource: str | None = None
+    ) -> JsonObject:
+        found: JsonObject = await self.request(
+            "GET", resource_path(api_version, plural, namespace=namespace, name=name, subresource=subresource)
+        )
+        return found
+
+    async def list(
+        self, api_version: str, plural: str, *, namespace: str | None = None, label_selector: str | None = None
+    ) -> builtins.list[JsonObject]:
+        params = {"labelSelector": label_selector} if label_selector else {}
+        body = await self.request("GET", resource_path(api_version, plural, namespace=namespace), params=params)
+        items: builtins.list[JsonObject] = body["items"]
+        return items
+
+    async def patch(
+        self,
+        api_version: str,
+        plural: str,
+        name: str,
+        patch: Any,
+        *,
+        namespace: str | None = None,
+        patch_type: str = "merge",
+        subresource: str | None = None,
+        field_manager: str | None = None,
+        force: bool = False,
+    ) -> JsonObject:
+        params = {"fieldManager": field_manager} if field_manager else {}
+        if force:
+            params["force"] = "true"
+        patched: JsonObject = await self.request(
+            "PATCH",
+            resource_path(api_version, plural, namespace=namespace, name=name, subresource=subresource),
+            content=json.dumps(patch),
+            params=params,
+            headers={"Content-Type": PATCH_TYPES[patch_type]},
+        )
+        return patched
+
+    async def delete(self, api_version: str, plural: str, name: str, *, namespace: str | None = None) -> JsonObject:
+        deleted: JsonObject = await self.request(
+            "DELETE", resource_path(api_version, plural, namespace=namespace, name=name)
+        )
+        return deleted
+
+    async def requests_log(self) -> builtins.list[JsonObject]:
+        records: builtins.list[JsonObject] = await self.request("GET", "/emulator/requests")
+        return records

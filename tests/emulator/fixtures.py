@@ -14,13 +14,15 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
+from typing import Any
 
 import httpx
 import pytest
+import pytest_asyncio
 
-from tests.emulator.client import EmulatorClient
+from tests.emulator.client import AsyncEmulatorClient, EmulatorClient
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 STARTUP_TIMEOUT_SECONDS = 20.0
@@ -54,6 +56,7 @@ class EmulatorProcess:
         port: int | None = None,
         state_file: Path | None = None,
         fake_controllers: bool = True,
+        omitted_resources: Sequence[str] = (),
     ) -> None:
         self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
@@ -61,6 +64,7 @@ class EmulatorProcess:
         self.log_path = workdir / "emulator.log"
         self.state_file = state_file
         self.fake_controllers = fake_controllers
+        self.omitted_resources = list(omitted_resources)
         self._process: subprocess.Popen[bytes] | None = None
 
     @property
@@ -83,6 +87,8 @@ class EmulatorProcess:
             command += ["--state", str(self.state_file)]
         if not self.fake_controllers:
             command.append("--no-fake-controllers")
+        for omitted in self.omitted_resources:
+            command += ["--omit", omitted]
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(command, cwd=REPO_ROOT, stdout=log, stderr=subprocess.STDOUT)
         self._wait_ready()
@@ -154,6 +160,26 @@ def emulator(tmp_path: Path) -> Iterator[EmulatorProcess]:
         process.kill()
 
 
+@pytest.fixture
+def emulator_factory(tmp_path: Path) -> Iterator[Callable[..., EmulatorProcess]]:
+    """Start emulators with options: `emulator_factory(omitted_resources=["keda.sh"], state_file=...)`."""
+    started: list[EmulatorProcess] = []
+
+    def start(**options: Any) -> EmulatorProcess:
+        workdir = tmp_path / f"emulator-{len(started)}"
+        workdir.mkdir()
+        process = EmulatorProcess(workdir, **options)
+        started.append(process)
+        process.start()
+        return process
+
+    try:
+        yield start
+    finally:
+        for process in started:
+            process.kill()
+
+
 @pytest.fixture(scope="module")
 def shared_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
     """One emulator for a whole test module (faster); give each test its own namespace (`test_namespace`)."""
@@ -194,3 +220,9 @@ def kubectl(emulator: EmulatorProcess) -> Kubectl:
 def namespaced_kubectl(shared_emulator: EmulatorProcess, test_namespace: str) -> Kubectl:
     """kubectl on the module's shared emulator, defaulting to this test's own namespace."""
     return Kubectl(shared_emulator, namespace=test_namespace)
+
+
+@pytest_asyncio.fixture
+async def async_emulator_client(emulator: EmulatorProcess) -> AsyncIterator[AsyncEmulatorClient]:
+    async with AsyncEmulatorClient(emulator.url) as client:
+        yield client

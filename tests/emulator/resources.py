@@ -228,6 +228,20 @@ def resources_from_crd(crd: Mapping[str, Any]) -> list[ResourceInfo]:
     return infos
 
 
+def omit_resources(infos: Iterable[ResourceInfo], omitted: Iterable[str]) -> list[ResourceInfo]:
+    """Drop built-ins named as "group" (a whole API group) or "group/plural" ("" or "core" is the core group).
+
+    Lets a test run against a cluster without e.g. prometheus-operator (monitoring.coreos.com) or KEDA.
+    """
+    rules = [rule.split("/", 1) for rule in omitted]
+    normalized = [("" if parts[0] == "core" else parts[0], parts[1] if len(parts) > 1 else None) for parts in rules]
+    return [
+        info
+        for info in infos
+        if not any(info.group == group and plural in (None, info.plural) for group, plural in normalized)
+    ]
+
+
 class ResourceRegistry:
     """The served resources, indexed for URL routing and discovery."""
 

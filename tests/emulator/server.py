@@ -6,7 +6,7 @@ import asyncio
 import contextlib
 import dataclasses
 import traceback
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from pathlib import Path
 
 import aiohttp.web
@@ -17,7 +17,7 @@ from typing_extensions import override
 from tests.emulator.api import KubernetesApi
 from tests.emulator.controllers import run_fake_controllers
 from tests.emulator.handlers import HttpFrontend
-from tests.emulator.resources import ResourceRegistry
+from tests.emulator.resources import BUILTIN_RESOURCES, ResourceRegistry, omit_resources
 from tests.emulator.store import ObjectStore
 
 
@@ -74,10 +74,10 @@ class Emulator:
     url: str
 
 
-def build_api(state_file: Path | None = None) -> KubernetesApi:
+def build_api(state_file: Path | None = None, omitted_resources: Sequence[str] = ()) -> KubernetesApi:
     store = ObjectStore(state_file=state_file)
     store.load()
-    return KubernetesApi(store, ResourceRegistry())
+    return KubernetesApi(store, ResourceRegistry(omit_resources(BUILTIN_RESOURCES, omitted_resources)))
 
 
 @contextlib.asynccontextmanager
@@ -87,9 +87,10 @@ async def running_emulator(
     port: int = 0,
     state_file: Path | None = None,
     fake_controllers: bool = True,
+    omitted_resources: Sequence[str] = (),
 ) -> AsyncIterator[Emulator]:
     """Serve the emulator on host:port (0: any free port) for the duration of the context."""
-    api = build_api(state_file)
+    api = build_api(state_file, omitted_resources)
     frontend = HttpFrontend(api, server_address=f"{host}:{port}")
     handler = EmulatorHandler(frontend=frontend)
     async with handler, kmock.Server(handler, host=host, port=port or None) as server:

@@ -1,6 +1,8 @@
 from tests.emulator.fixtures import (  # noqa: F401  (fixtures are found by name)
+    async_emulator_client,
     emulator,
     emulator_client,
+    emulator_factory,
     kubectl,
     namespaced_kubectl,
     shared_client,
