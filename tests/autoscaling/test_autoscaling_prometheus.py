@@ -12,6 +12,7 @@ import pytest
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.autoscaling.evaluate import evaluate
+from splitserve.autoscaling.keda import autoscaler_objects
 from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable
 from splitserve.autoscaling.signals import read_signals
 from splitserve.sim.config import SimConfig
@@ -182,3 +183,27 @@ async def test_query_overrides_reach_prometheus(prometheus: PrometheusServer, ex
         signals = await read_signals(client, spec, NS, NAME)
     assert signals["decode"].running == 400
     assert signals["prefill"].running is None  # no prefill workers scraped
+
+
+async def test_keda_trigger_queries_run_on_prometheus(
+    prometheus: PrometheusServer, exporters: list[StaticExporter]
+) -> None:
+    # Every trigger query must parse, and give a number even with no traffic (no NaN for KEDA).
+    worker = await started(exporters, vllm_text(waiting=3, running=8, kv=0.1))
+    router = await started(exporters, router_text(prefill_queue=2, decode_queue=5))
+    prometheus.targets = [
+        ScrapeTarget(worker.address, labels("decode")),
+        ScrapeTarget(router.address, {"namespace": NS, "deployment": NAME}),
+    ]
+    await prometheus.start()
+    await prometheus.wait_for("count(up == 1)", lambda v: v == 2)
+    spec = make_spec(backend="keda")
+    values: dict[str, dict[str, float | None]] = {}
+    async with PrometheusClient(prometheus.url) as client:
+        for obj in autoscaler_objects(spec, NS, NAME):
+            pool = obj["metadata"]["labels"]["splitserve.io/role"]
+            values[pool] = {
+                t["name"]: await client.query_scalar(t["metadata"]["query"]) for t in obj["spec"]["triggers"]
+            }
+    assert values["decode"] == {"backlog": 8, "running": 8, "kv-cache-usage": 0.1, "itl-p90": 0}
+    assert values["prefill"] == {"backlog": 2, "ttft-p90": 0}
