@@ -42,7 +42,7 @@ def main() -> int:
             self.end_headers()
 
         def log_message(self, format: str, *values: object) -> None:
-            print("request", self.path, flush=True)
+            pass  # quiet, so the log's last line is the start-up message
 
     server = http.server.HTTPServer(("127.0.0.1", args.port), Handler)
     server.serve_forever()

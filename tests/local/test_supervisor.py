@@ -5,6 +5,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import re
 import signal
 import time
 from collections.abc import Callable
@@ -115,3 +116,17 @@ def test_sigterm_during_start_up_interrupts_the_wait(
         supervisor.wait_ready([slow], timeout_seconds=30)
     assert supervisor.stop_reason == "SIGTERM"
     assert signal.getsignal(signal.SIGTERM) is before, "the previous handler must be restored"
+
+
+def test_slow_starters_get_a_still_starting_line_with_their_last_log_line(
+    supervisor: Supervisor,
+    stand_in: Callable[..., ProcessSpec],
+    progress_output: io.StringIO,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from splitserve.local import supervisor as supervisor_module
+
+    monkeypatch.setattr(supervisor_module, "STILL_STARTING_EVERY_SECONDS", 0.3)
+    slow = supervisor.start(stand_in("decode-0", "--ready-after", "1.5"))
+    supervisor.wait_ready([slow], timeout_seconds=20)
+    assert re.search(r"decode-0 still starting: stand-in starting on \d+", progress_output.getvalue())

@@ -29,6 +29,8 @@ from splitserve.local.procs import group_members, group_rss_bytes
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.2
+# Slow starters (vLLM takes about 30 s) get a line now and then, so a waiting terminal is not a mystery.
+STILL_STARTING_EVERY_SECONDS = 10.0
 
 
 class Progress:
@@ -177,6 +179,7 @@ class Supervisor:
         """Poll each process's ready URL until all answer 200; raise if one dies or time runs out."""
         pending = list(processes)
         deadline = time.monotonic() + timeout_seconds
+        next_note = time.monotonic() + STILL_STARTING_EVERY_SECONDS
         with httpx.Client(timeout=httpx.Timeout(2.0, connect=0.5)) as client:
             while pending:
                 if self.stop_reason is not None:
@@ -187,6 +190,11 @@ class Supervisor:
                         pending.remove(process)
                         took = self.progress.elapsed() - process.started_at
                         self.progress.say(f"{process.name} ready at {process.spec.base_url} ({took:.1f}s)")
+                if pending and time.monotonic() >= next_note:
+                    next_note += STILL_STARTING_EVERY_SECONDS
+                    for process in pending:
+                        last = log_tail(process.log_path, lines=1)[:120]
+                        self.progress.say(f"{process.name} still starting" + (f": {last}" if last else ""))
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(process.name for process in pending)
                     raise StartupError(
