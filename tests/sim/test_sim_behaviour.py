@@ -107,7 +107,7 @@ async def test_decode_is_batched_in_one_step_loop(http: aiohttp.ClientSession) -
 
 async def test_prefix_cache_hits_cut_time_to_first_token(http: aiohttp.ClientSession) -> None:
     shared = " ".join(f"w{i}" for i in range(1500))
-    async with SimWorker(fast_config(time_scale=0.5)) as worker:
+    async with SimWorker(fast_config(time_scale=1.0)) as worker:
 
         async def ttft(prompt: str) -> tuple[float, dict[str, int]]:
             body = {"prompt": prompt, "max_tokens": 2, "stream": True, "stream_options": {"include_usage": True}}

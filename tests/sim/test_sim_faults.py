@@ -62,7 +62,7 @@ async def test_drain_refuses_new_work_and_finishes_in_flight(http: aiohttp.Clien
     worker = SimWorker(fast_config(time_scale=0.2))
     await worker.start()
     try:
-        long = asyncio.create_task(post(http, worker.url + "/v1/completions", {**BODY, "max_tokens": 150}))
+        long = asyncio.create_task(post(http, worker.url + "/v1/completions", {**BODY, "max_tokens": 400}))
         await asyncio.sleep(0.05)
         assert worker.in_flight == 1
         drained = asyncio.create_task(worker.drain(grace_s=10))
@@ -72,7 +72,7 @@ async def test_drain_refuses_new_work_and_finishes_in_flight(http: aiohttp.Clien
         async with http.get(worker.url + "/health") as reply:
             assert reply.status == 503
         status, body = await long
-        assert status == 200 and body["usage"]["completion_tokens"] == 150
+        assert status == 200 and body["usage"]["completion_tokens"] == 400
         assert await drained is True
     finally:
         await worker.stop()

@@ -32,7 +32,8 @@ async def test_thirty_sims_in_one_process_start_and_answer(http: aiohttp.ClientS
     for i, (status, body) in enumerate(replies):
         assert status == 200
         assert body["choices"][0]["text"] == generate_text(tokenize(f"hi {i}"), 8)
-    assert startup < 3.0 and elapsed < 6.0, (startup, elapsed)
+    # Generous bounds (the machine is shared); typically ~0.3 s to start and ~0.6 s in all.
+    assert startup < 5.0 and elapsed < 10.0, (startup, elapsed)
 
 
 async def test_replicas_get_distinct_engine_ids_and_ports() -> None:
