@@ -48,8 +48,8 @@ async def _serve(args: argparse.Namespace) -> None:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, stop.set)
         await stop.wait()
-    # Open watches would keep a graceful shutdown waiting; an emulator has nothing to flush.
-    os._exit(0)
+        # Open watches would keep a graceful shutdown waiting; an emulator has nothing to flush.
+        os._exit(0)
 
 
 def main(argv: list[str] | None = None) -> int:
