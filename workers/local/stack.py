@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 import shutil
@@ -112,7 +113,7 @@ class LocalStack:
             spec_path.write_text(yaml.safe_dump(document, sort_keys=False))
             for note in notes:
                 self.progress.say(f"local adjustment: {note}")
-            inputs = PlanInputs(**{**inputs.__dict__, "model_path": model_path, "spec_path": str(spec_path)})
+            inputs = dataclasses.replace(inputs, model_path=model_path, spec_path=str(spec_path))
         return plan_processes(self.deployment, inputs)
 
     def _model_path(self) -> str:

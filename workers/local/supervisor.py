@@ -116,7 +116,9 @@ class Supervisor:
 
     @contextlib.contextmanager
     def signals_handled(self) -> Iterator[None]:
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        # SIGHUP too: closing the terminal `up` runs in stops the stack cleanly instead of orphaning it.
+        handled = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in handled}
         try:
             yield
         finally:
