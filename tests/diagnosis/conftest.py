@@ -11,9 +11,9 @@ import pytest
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.autoscaling.prometheus import PrometheusUnavailable
+from splitserve.diagnosis.findings import DiagnosisInput
 from splitserve.diagnosis.gpus import GpuChoice, choose_gpu
 from splitserve.diagnosis.model_facts import ModelFacts, model_facts
-from splitserve.diagnosis.questions import DiagnosisInput
 from splitserve.diagnosis.telemetry import Telemetry
 
 LLAMA_8B: dict[str, Any] = {

@@ -12,7 +12,8 @@ from hypothesis import strategies as st
 
 from splitserve.diagnosis.gpus import GPU_TABLE
 from splitserve.diagnosis.model_facts import KvShape, ModelFacts
-from splitserve.diagnosis.questions import TIGHT_WEIGHT_SHARE, estimate_fit, hardware_fit
+from splitserve.diagnosis.questions import hardware_fit
+from splitserve.diagnosis.sizing import TIGHT_WEIGHT_SHARE, estimate_fit
 from tests.diagnosis.conftest import LLAMA_8B, LLAMA_70B, InputFactory, SpecFactory, patched
 
 ModelDir = Callable[[dict[str, Any]], Path]

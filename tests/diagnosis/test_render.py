@@ -8,7 +8,8 @@ from typing import Any
 import pytest
 
 from splitserve.api.status import DiagnosisStatus
-from splitserve.diagnosis.questions import QuestionResult, diagnose
+from splitserve.diagnosis.findings import QuestionResult
+from splitserve.diagnosis.questions import diagnose
 from splitserve.diagnosis.render import render_text, summarise, tag_for_patch
 from splitserve.diagnosis.service import Report
 from tests.diagnosis.conftest import InputFactory, SpecFactory

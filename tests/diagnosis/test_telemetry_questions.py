@@ -12,12 +12,12 @@ from hypothesis import strategies as st
 from splitserve.diagnosis.model_facts import KvShape, ModelFacts
 from splitserve.diagnosis.questions import (
     disaggregation,
-    histogram_cv,
     kv_pressure,
     output_variance,
     per_token_latency,
     prompt_redundancy,
 )
+from splitserve.diagnosis.sizing import histogram_cv
 from splitserve.diagnosis.telemetry import Reading, Telemetry
 from tests.diagnosis.conftest import InputFactory, SpecFactory, patched
 

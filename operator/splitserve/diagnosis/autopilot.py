@@ -28,8 +28,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-from splitserve.api.spec import Mode
+from splitserve.api.spec import InferenceDeploymentSpec, Mode
 from splitserve.api.status import OptimizationEvent
+from splitserve.diagnosis.findings import DiagnosisInput
+from splitserve.diagnosis.questions import traffic_needs
 
 ActionKind = Literal["mode", "speculativeDecoding", "ratio"]
 TargetMetric = Literal["itl_p90", "ttft_p90"]
@@ -330,3 +332,32 @@ _PROPOSALS: tuple[
     ("speculativeDecoding", _propose_speculative),
     ("ratio", _propose_ratio),
 )
+
+
+def state_from_spec(spec: InferenceDeploymentSpec) -> ServingState:
+    """What is being served, read from the (possibly already optimized) spec."""
+    speculative = spec.engine.speculative_decoding
+    return ServingState(
+        mode=spec.mode,
+        speculative_method=speculative.method,
+        prefill_replicas=spec.prefill.replicas,
+        decode_replicas=spec.decode.replicas,
+        speculative_method_when_on="draft" if speculative.draft_model else "ngram",
+    )
+
+
+def sample_from_input(inp: DiagnosisInput, time: float) -> Sample:
+    """One autopilot sample from a diagnosis input's telemetry (all None without telemetry)."""
+    tel = inp.telemetry
+    if tel is None:
+        return Sample(time)
+    ttft, prefill = tel.ttft_p90.value, tel.prefill_time_p90.value
+    needs = traffic_needs(inp)
+    return Sample(
+        time=time,
+        batch_per_replica=tel.running_per_replica.value,
+        itl_p90=tel.itl_p90.value,
+        ttft_p90=ttft,
+        ttft_inflation=ttft / prefill if ttft is not None and prefill else None,
+        needed_ratio=needs[0] / needs[1] if needs is not None and needs[1] > 0 else None,
+    )

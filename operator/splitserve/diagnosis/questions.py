@@ -9,22 +9,39 @@ constants below and documented in docs/diagnosis.md.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
-from typing import Any, Literal
+from collections.abc import Callable, Sequence
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode, PoolSpec, RoutingPolicy
-from splitserve.api.status import Finding
-from splitserve.diagnosis.gpus import GIB, GpuChoice
-from splitserve.diagnosis.model_facts import ModelFacts
-from splitserve.diagnosis.telemetry import Reading, Telemetry
-
-Status = Literal["ok", "recommend", "problem", "unknown"]
-Patch = dict[str, Any]
+from splitserve.diagnosis.findings import (
+    Alternative,
+    DiagnosisInput,
+    Evidence,
+    Patch,
+    QuestionResult,
+    Status,
+    answer,
+    arg_value,
+    fmt_value,
+    merge_patches,
+    pct,
+    pool_args,
+    pools_in_use,
+    prom_source,
+    tokens_text,
+    without_arg,
+)
+from splitserve.diagnosis.sizing import (
+    TIGHT_WEIGHT_SHARE,
+    Capacity,
+    FitEstimate,
+    Precision,
+    estimate_fit,
+    histogram_cv,
+    precision,
+    replica_capacity,
+)
 
 # 1. Hardware-model fit
-TIGHT_WEIGHT_SHARE = 0.90  # weights at or above this share of vLLM's memory budget leave the KV cache no room
-RUNTIME_OVERHEAD_GIB = 2.0  # per GPU inside vLLM's budget: activations, CUDA graphs, non-torch allocations
 TP_CANDIDATES = (1, 2, 4, 8)
 # 2. Prompt redundancy
 SIGNIFICANT_PREFIX_SHARE = 0.20
@@ -41,213 +58,15 @@ LOW_LOAD_BATCH = 8.0
 HIGH_LOAD_BATCH = 32.0
 # 6. Disaggregation
 TTFT_INFLATION = 2.0  # TTFT p90 / prefill time p90 above this: prompts wait behind other work
-PREFILL_MFU = 0.4  # share of peak FLOPS a prefill achieves
-DECODE_BANDWIDTH_EFFICIENCY = 0.6  # share of peak HBM bandwidth a decode step achieves
 CAPACITY_HEADROOM = 0.7  # plan replicas to run at 70% of their estimated capacity
 RATIO_MISMATCH = 1.5  # current vs needed prefill:decode ratio off by more than this factor
 MIN_REQUEST_RATE = 0.01  # requests/s below which the window is "no traffic"
 
 
-@dataclass(frozen=True)
-class Evidence:
-    text: str
-    source: str
-
-    def render(self) -> str:
-        return f"{self.text} [{self.source}]"
-
-
-@dataclass(frozen=True)
-class Alternative:
-    description: str
-    patch: Patch
-
-
-@dataclass(frozen=True)
-class QuestionResult:
-    number: int
-    key: str
-    title: str
-    status: Status
-    verdict: str
-    evidence: tuple[Evidence, ...] = ()
-    recommendation: str = ""
-    patch: Patch | None = None
-    alternatives: tuple[Alternative, ...] = ()
-
-    def to_finding(self) -> Finding:
-        return Finding(
-            question=f"{self.number}. {self.title}",
-            verdict=self.verdict,
-            evidence="; ".join(e.render() for e in self.evidence),
-            recommendation=self.recommendation,
-            patch=self.patch,
-        )
-
-
-@dataclass(frozen=True)
-class DiagnosisInput:
-    spec: InferenceDeploymentSpec
-    facts: ModelFacts
-    gpus: Mapping[str, GpuChoice]  # pool name -> GPU it runs on
-    telemetry: Telemetry | None = None
-    telemetry_note: str = "no --prometheus given"
-    notes: tuple[str, ...] = field(default_factory=tuple)
-
-    def no_telemetry(self, what: str) -> str:
-        return f"no telemetry: {what} ({self.telemetry_note})"
-
-
 # --------------------------------------------------------------------------- helpers
 
 
-def pools_in_use(spec: InferenceDeploymentSpec) -> list[tuple[str, PoolSpec]]:
-    """Aggregated mode serves from one pool with decode's settings."""
-    if spec.mode is Mode.AGGREGATED:
-        return [("decode", spec.decode)]
-    return [("prefill", spec.prefill), ("decode", spec.decode)]
-
-
-def arg_value(args: Sequence[str], name: str) -> str | None:
-    """Value of `--name v` or `--name=v` in a vLLM argument list; the last one wins, as in argparse."""
-    value: str | None = None
-    for index, arg in enumerate(args):
-        if arg == name and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(name + "="):
-            value = arg.split("=", 1)[1]
-    return value
-
-
-def without_arg(args: Sequence[str], name: str) -> list[str]:
-    out: list[str] = []
-    skip = False
-    for arg in args:
-        if skip:
-            skip = False
-            continue
-        if arg == name:
-            skip = True
-            continue
-        if arg.startswith(name + "="):
-            continue
-        out.append(arg)
-    return out
-
-
-def pool_args(spec: InferenceDeploymentSpec, pool: PoolSpec) -> list[str]:
-    """Engine-wide then per-pool extra args: the pool's come later on the command line and win."""
-    return [*spec.engine.extra_args, *pool.extra_args]
-
-
-def merge_patches(*patches: Patch | None) -> Patch | None:
-    merged: Patch = {}
-    for patch in patches:
-        if patch:
-            _merge_into(merged, patch)
-    return merged or None
-
-
-def _merge_into(target: Patch, patch: Patch) -> None:
-    for key, value in patch.items():
-        if isinstance(value, dict) and isinstance(target.get(key), dict):
-            _merge_into(target[key], value)
-        else:
-            target[key] = value
-
-
-def _pct(value: float) -> str:
-    return f"{value * 100:.0f}%"
-
-
-def _tokens(value: float) -> str:
-    if value >= 1e6:
-        return f"{value / 1e6:.2f}M"
-    if value >= 1e4:
-        return f"{value / 1e3:.0f}k"
-    return f"{value:.0f}"
-
-
-def _prom(reading: Reading) -> str:
-    return f"prometheus: {reading.query}"
-
-
 # --------------------------------------------------------------------------- 1. hardware-model fit
-
-QUANT_BYTES: dict[str, float] = {"fp8": 1.0, "int8": 1.0, "awq": 0.5625, "gptq": 0.5625}
-DTYPE_BYTES: dict[str, float] = {"float32": 4.0, "float16": 2.0, "bfloat16": 2.0}
-
-
-@dataclass(frozen=True)
-class Precision:
-    weight_bytes: float
-    kv_bytes: float
-    label: str
-    source: str
-
-
-def precision(spec: InferenceDeploymentSpec, facts: ModelFacts, args: Sequence[str]) -> Precision:
-    """Bytes per parameter and per KV element, from spec quantization, dtype, config and --kv-cache-dtype.
-
-    awq/gptq are 4-bit plus about 12% for group scales/zeros and the 16-bit embeddings (0.5625 B/param).
-    dtype auto follows vLLM: 16-bit for fp16/bf16/fp32 checkpoints.
-    """
-    dtype = spec.model.dtype
-    kv_bytes = 4.0 if dtype == "float32" else 2.0
-    kv_arg = arg_value(args, "--kv-cache-dtype")
-    if kv_arg and kv_arg.startswith("fp8"):
-        kv_bytes = 1.0
-    quant = spec.model.quantization
-    if quant != "none":
-        return Precision(QUANT_BYTES[quant], kv_bytes, quant, "spec (model.quantization)")
-    if facts.config_quantization:
-        method = facts.config_quantization
-        bytes_ = QUANT_BYTES.get(method, 0.5625 if method in ("bitsandbytes", "awq_marlin", "gptq_marlin") else 1.0)
-        return Precision(bytes_, kv_bytes, f"{method} (pre-quantized checkpoint)", "model config")
-    if dtype == "auto":
-        return Precision(2.0, kv_bytes, "16-bit (dtype auto)", "spec (model.dtype auto)")
-    return Precision(DTYPE_BYTES[dtype], kv_bytes, dtype, "spec (model.dtype)")
-
-
-@dataclass(frozen=True)
-class FitEstimate:
-    tp: int
-    weight_bytes_per_param: float
-    weights_per_gpu_gib: float
-    usable_per_gpu_gib: float
-    kv_tokens: float
-    state: Literal["fits", "tight", "does not fit"]
-
-    @property
-    def weight_share(self) -> float:
-        return self.weights_per_gpu_gib / self.usable_per_gpu_gib
-
-
-def estimate_fit(
-    parameters: float,
-    weight_bytes: float,
-    kv_bytes_per_token: float,
-    tp: int,
-    gpu_memory_gib: float,
-    memory_utilization: float,
-    required_tokens: int | None,
-) -> FitEstimate:
-    """Weights per GPU against vLLM's budget (memory x utilisation) and the KV tokens left over.
-
-    The KV cache is sharded like the weights, so the tokens it holds are the leftover per GPU times TP.
-    """
-    weights_per_gpu = parameters * weight_bytes / tp / GIB
-    usable = gpu_memory_gib * memory_utilization
-    kv_room = usable - weights_per_gpu - RUNTIME_OVERHEAD_GIB
-    kv_tokens = max(0.0, kv_room * GIB * tp / kv_bytes_per_token)
-    state: Literal["fits", "tight", "does not fit"]
-    if kv_room <= 0:
-        state = "does not fit"
-    elif weights_per_gpu >= TIGHT_WEIGHT_SHARE * usable or (required_tokens and kv_tokens < required_tokens):
-        state = "tight"
-    else:
-        state = "fits"
-    return FitEstimate(tp, weight_bytes, weights_per_gpu, usable, kv_tokens, state)
 
 
 def _tp_patch(pools: Sequence[tuple[str, PoolSpec]], tp: int) -> Patch:
@@ -260,17 +79,14 @@ def _tp_patch(pools: Sequence[tuple[str, PoolSpec]], tp: int) -> Patch:
 
 def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     spec, facts = inp.spec, inp.facts
-    title = "Hardware-model fit"
     evidence: list[Evidence] = []
     for name, _pool in pools_in_use(spec):
         choice = inp.gpus[name]
         evidence.append(Evidence(f"{name} GPU {choice.gpu.name}, {choice.gpu.memory_gib:g} GiB", choice.source))
     if facts.parameter_count is None or facts.kv_shape is None:
         note = f"; {facts.config_note}" if facts.config_note else ""
-        return QuestionResult(
+        return answer(
             1,
-            "hardware-fit",
-            title,
             "unknown",
             "fit unknown: parameter count not known",
             (*evidence, Evidence(f"model config not readable{note}", "model config")),
@@ -305,10 +121,10 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
         evidence.append(
             Evidence(
                 f"{name}: {prec.label} {prec.weight_bytes:g} B/param, TP {fit.tp}: "
-                f"weights {fit.weights_per_gpu_gib:.1f} GiB/GPU = {_pct(fit.weight_share)} "
+                f"weights {fit.weights_per_gpu_gib:.1f} GiB/GPU = {pct(fit.weight_share)} "
                 f"of {fit.usable_per_gpu_gib:.1f} GiB usable "
                 f"(gpuMemoryUtilization {spec.engine.gpu_memory_utilization:g}); "
-                f"KV cache {_tokens(fit.kv_tokens)} tokens at {kv_per_token / 1024:.0f} KiB/token",
+                f"KV cache {tokens_text(fit.kv_tokens)} tokens at {kv_per_token / 1024:.0f} KiB/token",
                 f"{prec.source}; {facts.kv_source}",
             )
         )
@@ -318,13 +134,11 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     assert worst is not None and prec_worst is not None
 
     if worst.state == "fits":
-        return QuestionResult(
+        return answer(
             1,
-            "hardware-fit",
-            title,
             "ok",
-            f"fits: weights take {_pct(worst.weight_share)} of usable memory, KV cache holds "
-            f"{_tokens(min(f.kv_tokens for f, _ in per_pool.values()))} tokens",
+            f"fits: weights take {pct(worst.weight_share)} of usable memory, KV cache holds "
+            f"{tokens_text(min(f.kv_tokens for f, _ in per_pool.values()))} tokens",
             tuple(evidence),
         )
 
@@ -336,11 +150,12 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
         why = f"weights {worst.weights_per_gpu_gib:.1f} GiB/GPU exceed the {worst.usable_per_gpu_gib:.1f} GiB budget"
     elif worst.weight_share >= TIGHT_WEIGHT_SHARE:
         why = (
-            f"weights take {_pct(worst.weight_share)} of usable memory, KV cache only {_tokens(worst.kv_tokens)} tokens"
+            f"weights take {pct(worst.weight_share)} of usable memory, "
+            f"KV cache only {tokens_text(worst.kv_tokens)} tokens"
         )
     else:
         why = (
-            f"KV cache holds {_tokens(worst.kv_tokens)} tokens, less than one {required}-token sequence "
+            f"KV cache holds {tokens_text(worst.kv_tokens)} tokens, less than one {required}-token sequence "
             "(vLLM refuses to start)"
         )
         shortest = min(fit.kv_tokens for fit, _ in per_pool.values())
@@ -353,10 +168,8 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     affected = [name for name, (fit, _) in per_pool.items() if fit.state == worst.state]
     verdict = f"{worst.state}: {' and '.join(affected)} pool{'s' if len(affected) > 1 else ''}, {why}"
     if not options:
-        return QuestionResult(
+        return answer(
             1,
-            "hardware-fit",
-            title,
             "problem",
             verdict,
             tuple(evidence),
@@ -365,17 +178,7 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
         )
     primary = options[0]
     recommendation = "; or ".join(option.description for option in options)
-    return QuestionResult(
-        1,
-        "hardware-fit",
-        title,
-        "problem",
-        verdict,
-        tuple(evidence),
-        recommendation,
-        primary.patch,
-        tuple(options),
-    )
+    return answer(1, "problem", verdict, tuple(evidence), recommendation, primary.patch, tuple(options))
 
 
 def _fit_options(
@@ -416,8 +219,8 @@ def _fit_options(
             if quant:
                 patch = merge_patches({"model": {"quantization": quant}}, patch) or {}
             description = (
-                f"{label}: weights {fit.weights_per_gpu_gib:.1f} GiB/GPU ({_pct(fit.weight_share)}), "
-                f"KV cache {_tokens(fit.kv_tokens)} tokens"
+                f"{label}: weights {fit.weights_per_gpu_gib:.1f} GiB/GPU ({pct(fit.weight_share)}), "
+                f"KV cache {tokens_text(fit.kv_tokens)} tokens"
             )
             found.append((tp, rank, Alternative(description, patch)))
             break
@@ -430,7 +233,6 @@ def _fit_options(
 
 def prompt_redundancy(inp: DiagnosisInput) -> QuestionResult:
     spec, tel = inp.spec, inp.telemetry
-    title = "Prompt redundancy"
     policy_field = "prefill" if spec.mode is Mode.DISAGGREGATED else "decode"
     policy = getattr(spec.router.routing_policy, policy_field)
     evidence = [
@@ -441,10 +243,8 @@ def prompt_redundancy(inp: DiagnosisInput) -> QuestionResult:
     if not spec.engine.prefix_caching:
         why = "prompt redundancy cannot be measured while it is off"
         verdict = "prefix caching off: " + (inp.no_telemetry(why) if tel is None else why)
-        return QuestionResult(
+        return answer(
             2,
-            "prompt-redundancy",
-            title,
             "recommend",
             verdict,
             tuple(evidence),
@@ -452,76 +252,38 @@ def prompt_redundancy(inp: DiagnosisInput) -> QuestionResult:
             enable_caching,
         )
     if tel is None:
-        return QuestionResult(
-            2, "prompt-redundancy", title, "unknown", inp.no_telemetry("prefix-cache hit rate unknown"), tuple(evidence)
-        )
+        return answer(2, "unknown", inp.no_telemetry("prefix-cache hit rate unknown"), tuple(evidence))
     hits, queries = tel.prefix_hits_rate, tel.prefix_queries_rate
     evidence += [
-        Evidence(f"prefix-cache hits {_fmt(hits.value)} tokens/s", _prom(hits)),
-        Evidence(f"prefix-cache queries {_fmt(queries.value)} tokens/s", _prom(queries)),
+        Evidence(f"prefix-cache hits {fmt_value(hits.value)} tokens/s", prom_source(hits)),
+        Evidence(f"prefix-cache queries {fmt_value(queries.value)} tokens/s", prom_source(queries)),
     ]
     if hits.value is None or not queries.value:
-        return QuestionResult(
-            2, "prompt-redundancy", title, "unknown", "no prompt traffic in the window", tuple(evidence)
-        )
+        return answer(2, "unknown", "no prompt traffic in the window", tuple(evidence))
     share = hits.value / queries.value
     prefix_routed = policy in (RoutingPolicy.PREFIX_AWARE, RoutingPolicy.KV_AWARE)
     if share < SIGNIFICANT_PREFIX_SHARE:
-        return QuestionResult(
-            2,
-            "prompt-redundancy",
-            title,
-            "ok",
-            f"little prompt redundancy: {_pct(share)} of prompt tokens hit the prefix cache",
-            tuple(evidence),
+        return answer(
+            2, "ok", f"little prompt redundancy: {pct(share)} of prompt tokens hit the prefix cache", tuple(evidence)
         )
     if prefix_routed:
-        return QuestionResult(
+        return answer(
             2,
-            "prompt-redundancy",
-            title,
             "ok",
-            f"prefix caching pays: {_pct(share)} of prompt tokens hit the cache, routing is {policy}",
+            f"prefix caching pays: {pct(share)} of prompt tokens hit the cache, routing is {policy}",
             tuple(evidence),
         )
-    return QuestionResult(
+    return answer(
         2,
-        "prompt-redundancy",
-        title,
         "recommend",
-        f"{_pct(share)} of prompt tokens share a cached prefix, but routing is {policy}",
+        f"{pct(share)} of prompt tokens share a cached prefix, but routing is {policy}",
         tuple(evidence),
         "route by prefix so requests sharing a prefix reach the replica that caches it",
         {"router": {"routingPolicy": {policy_field: RoutingPolicy.PREFIX_AWARE.value}}},
     )
 
 
-def _fmt(value: float | None, fmt: str = "{:.3g}") -> str:
-    return "no data" if value is None else fmt.format(value)
-
-
 # --------------------------------------------------------------------------- 3. output length variance
-
-
-def histogram_cv(buckets: Sequence[tuple[float, float]], mean: float) -> float | None:
-    """Coefficient of variation estimated from cumulative histogram buckets and the exact mean.
-
-    Each bucket's observations are placed at the bucket's midpoint (the +Inf bucket at its lower
-    bound, which understates the spread); the mean comes from _sum/_count, so only the spread is
-    approximated. None when the histogram is empty or the mean is not positive.
-    """
-    ordered = sorted(buckets)
-    total = ordered[-1][1] if ordered else 0.0
-    if total <= 0 or mean <= 0:
-        return None
-    variance = 0.0
-    previous_bound, previous_cumulative = 0.0, 0.0
-    for bound, cumulative in ordered:
-        count = max(0.0, cumulative - previous_cumulative)
-        point = previous_bound if math.isinf(bound) else (previous_bound + bound) / 2
-        variance += count * (point - mean) ** 2
-        previous_bound, previous_cumulative = (bound if not math.isinf(bound) else previous_bound), cumulative
-    return math.sqrt(variance / total) / mean
 
 
 def _max_num_seqs(spec: InferenceDeploymentSpec) -> tuple[int | None, str, Patch | None]:
@@ -542,7 +304,6 @@ def _max_num_seqs(spec: InferenceDeploymentSpec) -> tuple[int | None, str, Patch
 
 def output_variance(inp: DiagnosisInput) -> QuestionResult:
     spec, tel = inp.spec, inp.telemetry
-    title = "Output length variance"
     seqs, seqs_source, seqs_patch = _max_num_seqs(spec)
     evidence: list[Evidence] = []
     if seqs is not None:
@@ -550,23 +311,21 @@ def output_variance(inp: DiagnosisInput) -> QuestionResult:
     cv: float | None = None
     if tel is not None:
         total, count = tel.output_tokens_sum_rate, tel.output_tokens_count_rate
-        evidence.append(Evidence(f"output tokens/s {_fmt(total.value)}", _prom(total)))
-        evidence.append(Evidence(f"requests/s {_fmt(count.value)}", _prom(count)))
+        evidence.append(Evidence(f"output tokens/s {fmt_value(total.value)}", prom_source(total)))
+        evidence.append(Evidence(f"requests/s {fmt_value(count.value)}", prom_source(count)))
         if total.value is not None and count.value:
             mean = total.value / count.value
             cv = histogram_cv(tel.output_tokens_buckets, mean)
             evidence.append(
                 Evidence(
-                    f"mean output {mean:.0f} tokens, coefficient of variation {_fmt(cv, '{:.2f}')}",
+                    f"mean output {mean:.0f} tokens, coefficient of variation {fmt_value(cv, '{:.2f}')}",
                     f"prometheus: {tel.output_tokens_buckets_query}",
                 )
             )
     if seqs is not None and seqs < LOW_MAX_NUM_SEQS:
         spread = f" with output-length CV {cv:.2f}" if cv is not None else ""
-        return QuestionResult(
+        return answer(
             3,
-            "output-variance",
-            title,
             "problem",
             f"max-num-seqs {seqs} defeats continuous batching{spread}: short answers wait behind long ones",
             tuple(evidence),
@@ -575,15 +334,11 @@ def output_variance(inp: DiagnosisInput) -> QuestionResult:
         )
     defaults = "continuous batching is on (vLLM's default) and nothing in the spec defeats it"
     if tel is None:
-        return QuestionResult(3, "output-variance", title, "ok", inp.no_telemetry(defaults), tuple(evidence))
+        return answer(3, "ok", inp.no_telemetry(defaults), tuple(evidence))
     if cv is None:
-        return QuestionResult(
-            3, "output-variance", title, "ok", f"no output-length data in the window; {defaults}", tuple(evidence)
-        )
+        return answer(3, "ok", f"no output-length data in the window; {defaults}", tuple(evidence))
     spread = "high" if cv >= HIGH_OUTPUT_CV else "low"
-    return QuestionResult(
-        3, "output-variance", title, "ok", f"{spread} output-length variance (CV {cv:.2f}); {defaults}", tuple(evidence)
-    )
+    return answer(3, "ok", f"{spread} output-length variance (CV {cv:.2f}); {defaults}", tuple(evidence))
 
 
 # --------------------------------------------------------------------------- 4. KV fragmentation and pressure
@@ -591,7 +346,6 @@ def output_variance(inp: DiagnosisInput) -> QuestionResult:
 
 def kv_pressure(inp: DiagnosisInput) -> QuestionResult:
     spec, tel = inp.spec, inp.telemetry
-    title = "KV cache fragmentation and pressure"
     util = spec.engine.gpu_memory_utilization
     block = spec.engine.block_size
     evidence = [
@@ -613,10 +367,8 @@ def kv_pressure(inp: DiagnosisInput) -> QuestionResult:
 
     if tel is None:
         status: Status = "recommend" if block is not None and block > LARGE_BLOCK_SIZE else "unknown"
-        return QuestionResult(
+        return answer(
             4,
-            "kv-pressure",
-            title,
             status,
             inp.no_telemetry("preemptions and KV usage unknown; paged attention is always on in vLLM"),
             tuple(evidence),
@@ -626,12 +378,12 @@ def kv_pressure(inp: DiagnosisInput) -> QuestionResult:
     pre, usage, waiting = tel.preemptions_rate, tel.kv_usage_max, tel.waiting_for_capacity
     target = spec.autoscaling.decode.kv_cache_usage
     evidence += [
-        Evidence(f"preemptions {_fmt(pre.value)}/s", _prom(pre)),
-        Evidence(f"KV cache usage {_fmt(usage.value, '{:.0%}')} (busiest worker)", _prom(usage)),
-        Evidence(f"waiting for KV capacity {_fmt(waiting.value, '{:.2f}')}", _prom(waiting)),
+        Evidence(f"preemptions {fmt_value(pre.value)}/s", prom_source(pre)),
+        Evidence(f"KV cache usage {fmt_value(usage.value, '{:.0%}')} (busiest worker)", prom_source(usage)),
+        Evidence(f"waiting for KV capacity {fmt_value(waiting.value, '{:.2f}')}", prom_source(waiting)),
     ]
     if not (pre.known or usage.known or waiting.known):
-        return QuestionResult(4, "kv-pressure", title, "unknown", "no KV metrics in the window", tuple(evidence))
+        return answer(4, "unknown", "no KV metrics in the window", tuple(evidence))
     preempting = (pre.value or 0.0) > PREEMPTIONS_PER_SECOND
     queued = (waiting.value or 0.0) >= WAITING_FOR_CAPACITY
     if preempting or queued:
@@ -642,23 +394,17 @@ def kv_pressure(inp: DiagnosisInput) -> QuestionResult:
             signs.append(f"{waiting.value:.1f} requests waiting for KV blocks")
         verdict = "KV pressure: " + ", ".join(signs)
         if settings_patch is not None:
-            return QuestionResult(
-                4, "kv-pressure", title, "problem", verdict, tuple(evidence), "; ".join(settings_why), settings_patch
-            )
+            return answer(4, "problem", verdict, tuple(evidence), "; ".join(settings_why), settings_patch)
         recommendation, patch = _more_decode_replicas(spec)
-        return QuestionResult(4, "kv-pressure", title, "problem", verdict, tuple(evidence), recommendation, patch)
+        return answer(4, "problem", verdict, tuple(evidence), recommendation, patch)
     if usage.value is not None and usage.value >= target:
-        return QuestionResult(
+        return answer(
             4,
-            "kv-pressure",
-            title,
             "ok",
             f"KV cache busy ({usage.value:.0%} >= target {target:.0%}) but no preemptions or capacity waits",
             tuple(evidence),
         )
-    return QuestionResult(
-        4, "kv-pressure", title, "ok", "no KV pressure: no preemptions or capacity waits", tuple(evidence)
-    )
+    return answer(4, "ok", "no KV pressure: no preemptions or capacity waits", tuple(evidence))
 
 
 def _more_decode_replicas(spec: InferenceDeploymentSpec) -> tuple[str, Patch]:
@@ -680,7 +426,6 @@ def _more_decode_replicas(spec: InferenceDeploymentSpec) -> tuple[str, Patch]:
 
 def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
     spec, tel = inp.spec, inp.telemetry
-    title = "Per-token latency"
     spec_decode = spec.engine.speculative_decoding
     slo = spec.autoscaling.decode.itl_slo_seconds
     evidence = [
@@ -691,31 +436,25 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
     turn_off: Patch = {"engine": {"speculativeDecoding": {"method": "off"}}}
     if tel is None:
         caveat = " (it pays only at small batch sizes)" if spec_decode.method != "off" else ""
-        return QuestionResult(
+        return answer(
             5,
-            "per-token-latency",
-            title,
             "unknown",
             inp.no_telemetry(f"inter-token latency vs SLO unknown; speculative decoding {spec_decode.method}{caveat}"),
             tuple(evidence),
         )
     itl, batch = tel.itl_p90, tel.running_per_replica
     evidence += [
-        Evidence(f"ITL p90 {_fmt(itl.value and itl.value * 1000, '{:.1f}')} ms", _prom(itl)),
-        Evidence(f"batch size {_fmt(batch.value, '{:.1f}')} (busiest worker)", _prom(batch)),
+        Evidence(f"ITL p90 {fmt_value(itl.value and itl.value * 1000, '{:.1f}')} ms", prom_source(itl)),
+        Evidence(f"batch size {fmt_value(batch.value, '{:.1f}')} (busiest worker)", prom_source(batch)),
     ]
     if itl.value is None:
-        return QuestionResult(
-            5, "per-token-latency", title, "unknown", "no decode traffic in the window", tuple(evidence)
-        )
+        return answer(5, "unknown", "no decode traffic in the window", tuple(evidence))
     load = batch.value if batch.value is not None else 0.0
     high = load >= HIGH_LOAD_BATCH
     over = itl.value > slo
     if spec_decode.method != "off" and high:
-        return QuestionResult(
+        return answer(
             5,
-            "per-token-latency",
-            title,
             "recommend",
             f"speculative decoding on at high load (batch {load:.0f}): verification steps cost throughput",
             tuple(evidence),
@@ -723,10 +462,8 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             turn_off,
         )
     if over and spec_decode.method == "off" and load <= LOW_LOAD_BATCH:
-        return QuestionResult(
+        return answer(
             5,
-            "per-token-latency",
-            title,
             "recommend",
             f"ITL p90 {itl.value * 1000:.0f} ms over the {slo * 1000:.0f} ms SLO at low load (batch {load:.1f})",
             tuple(evidence),
@@ -736,10 +473,8 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
         )
     if over:
         recommendation, patch = _lower_decode_batch(spec, itl.value, slo)
-        return QuestionResult(
+        return answer(
             5,
-            "per-token-latency",
-            title,
             "problem",
             f"ITL p90 {itl.value * 1000:.0f} ms over the {slo * 1000:.0f} ms SLO at batch {load:.1f}: "
             "too busy for speculative decoding to pay",
@@ -747,14 +482,7 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             recommendation,
             patch,
         )
-    return QuestionResult(
-        5,
-        "per-token-latency",
-        title,
-        "ok",
-        f"ITL p90 {itl.value * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO",
-        tuple(evidence),
-    )
+    return answer(5, "ok", f"ITL p90 {itl.value * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO", tuple(evidence))
 
 
 def _lower_decode_batch(spec: InferenceDeploymentSpec, itl: float, slo: float) -> tuple[str, Patch]:
@@ -771,36 +499,8 @@ def _lower_decode_batch(spec: InferenceDeploymentSpec, itl: float, slo: float) -
 # --------------------------------------------------------------------------- 6. disaggregation and scale
 
 
-@dataclass(frozen=True)
-class Capacity:
-    prefill_tokens_per_s: float
-    decode_tokens_per_s: float
-
-
-def replica_capacity(
-    parameters: float,
-    weight_bytes: float,
-    kv_bytes_per_token: float,
-    tp: int,
-    choice: GpuChoice,
-    batch: float,
-    context: float,
-) -> Capacity:
-    """Rough per-replica throughput: prefill is compute-bound, decode is bandwidth-bound.
-
-    prefill tokens/s = TP x peak FLOPS x MFU / (2 x parameters);
-    decode tokens/s = batch / step time, a step reading all weights plus the batch's KV cache.
-    """
-    gpu = choice.gpu
-    prefill = tp * gpu.bf16_tflops * 1e12 * PREFILL_MFU / (2 * parameters)
-    bytes_per_step = parameters * weight_bytes + batch * context * kv_bytes_per_token
-    step_seconds = bytes_per_step / (tp * gpu.bandwidth_tbps * 1e12 * DECODE_BANDWIDTH_EFFICIENCY)
-    return Capacity(prefill, batch / step_seconds)
-
-
 def disaggregation(inp: DiagnosisInput) -> QuestionResult:
     spec, tel, facts = inp.spec, inp.telemetry, inp.facts
-    title = "Prefill/decode interference and scale"
     evidence = [
         Evidence(
             f"mode {spec.mode}, {spec.prefill.replicas} prefill / {spec.decode.replicas} decode replicas",
@@ -808,32 +508,25 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
         )
     ]
     if tel is None:
-        return QuestionResult(
-            6,
-            "disaggregation",
-            title,
-            "unknown",
-            inp.no_telemetry(f"traffic unknown; serving {spec.mode}"),
-            tuple(evidence),
-        )
+        return answer(6, "unknown", inp.no_telemetry(f"traffic unknown; serving {spec.mode}"), tuple(evidence))
     rate, prompt_rate, gen_rate = tel.request_rate, tel.prompt_tokens_rate, tel.generation_tokens_rate
     ttft, prefill_time = tel.ttft_p90, tel.prefill_time_p90
     evidence += [
-        Evidence(f"requests {_fmt(rate.value)}/s", _prom(rate)),
-        Evidence(f"prompt tokens {_fmt(prompt_rate.value)}/s", _prom(prompt_rate)),
-        Evidence(f"generated tokens {_fmt(gen_rate.value)}/s", _prom(gen_rate)),
-        Evidence(f"TTFT p90 {_fmt(ttft.value)} s", _prom(ttft)),
-        Evidence(f"prefill time p90 {_fmt(prefill_time.value)} s", _prom(prefill_time)),
+        Evidence(f"requests {fmt_value(rate.value)}/s", prom_source(rate)),
+        Evidence(f"prompt tokens {fmt_value(prompt_rate.value)}/s", prom_source(prompt_rate)),
+        Evidence(f"generated tokens {fmt_value(gen_rate.value)}/s", prom_source(gen_rate)),
+        Evidence(f"TTFT p90 {fmt_value(ttft.value)} s", prom_source(ttft)),
+        Evidence(f"prefill time p90 {fmt_value(prefill_time.value)} s", prom_source(prefill_time)),
     ]
     if rate.value is None or rate.value < MIN_REQUEST_RATE or prompt_rate.value is None or gen_rate.value is None:
-        return QuestionResult(6, "disaggregation", title, "unknown", "no traffic in the window", tuple(evidence))
+        return answer(6, "unknown", "no traffic in the window", tuple(evidence))
     mean_prompt = prompt_rate.value / rate.value
     mean_output = gen_rate.value / rate.value
     inflation = ttft.value / prefill_time.value if ttft.value and prefill_time.value else None
     evidence.append(
         Evidence(
             f"mean prompt {mean_prompt:.0f} tokens, mean output {mean_output:.0f} tokens, "
-            f"TTFT inflation {_fmt(inflation, '{:.1f}x')}",
+            f"TTFT inflation {fmt_value(inflation, '{:.1f}x')}",
             "derived",
         )
     )
@@ -844,7 +537,7 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
     else:
         evidence.append(
             Evidence(
-                f"needed at {_pct(CAPACITY_HEADROOM)} load: {needs[0]:.2f} prefill, {needs[1]:.2f} decode replicas "
+                f"needed at {pct(CAPACITY_HEADROOM)} load: {needs[0]:.2f} prefill, {needs[1]:.2f} decode replicas "
                 f"(estimated {needs[2].prefill_tokens_per_s:,.0f} prefill / {needs[2].decode_tokens_per_s:,.0f} "
                 "decode tokens/s per replica)",
                 f"estimate from GPU {inp.gpus['decode'].gpu.name} datasheet and {facts.parameter_source}",
@@ -860,10 +553,8 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
                 patch["kvTransfer"] = {"connector": "NixlConnector"}
             if needs is not None:
                 patch = merge_patches(patch, _ratio_patch(spec, needs[0], needs[1])) or patch
-            return QuestionResult(
+            return answer(
                 6,
-                "disaggregation",
-                title,
                 "recommend",
                 f"prefill/decode interference: TTFT p90 is {inflation:.1f}x the prefill time with "
                 f"{mean_prompt:.0f}-token prompts",
@@ -871,19 +562,16 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
                 "disaggregate: prefill and decode in separate pools, scaled independently",
                 patch,
             )
-        return QuestionResult(
+        return answer(
             6,
-            "disaggregation",
-            title,
             "ok",
-            f"aggregated is enough (TTFT inflation {_fmt(inflation, '{:.1f}x')}, mean prompt {mean_prompt:.0f} tokens)",
+            f"aggregated is enough (TTFT inflation {fmt_value(inflation, '{:.1f}x')}, "
+            f"mean prompt {mean_prompt:.0f} tokens)",
             tuple(evidence),
         )
     if needs is not None and needs[0] + needs[1] < 1.0 and not interfering:
-        return QuestionResult(
+        return answer(
             6,
-            "disaggregation",
-            title,
             "recommend",
             f"traffic fits one aggregated replica ({needs[0] + needs[1]:.2f} replicas of work): "
             "disaggregation only adds a KV hop and idle GPUs",
@@ -892,25 +580,19 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
             {"mode": Mode.AGGREGATED.value},
         )
     if needs is None:
-        return QuestionResult(
-            6, "disaggregation", title, "ok", "disaggregated; prefill:decode ratio not estimated", tuple(evidence)
-        )
+        return answer(6, "ok", "disaggregated; prefill:decode ratio not estimated", tuple(evidence))
     needed_ratio = needs[0] / needs[1] if needs[1] > 0 else math.inf
     if spec.autoscaling.enabled:
         bounds_patch = _ratio_patch(spec, needs[0], needs[1])
         if not bounds_patch:
-            return QuestionResult(
+            return answer(
                 6,
-                "disaggregation",
-                title,
                 "ok",
                 f"disaggregated; the autoscaler sets the pools (needed prefill:decode {needed_ratio:.2f})",
                 tuple(evidence),
             )
-        return QuestionResult(
+        return answer(
             6,
-            "disaggregation",
-            title,
             "recommend",
             f"needed prefill:decode ratio {needed_ratio:.2f} lies outside autoscaling.prefillDecodeRatio",
             tuple(evidence),
@@ -921,18 +603,14 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
     evidence.append(Evidence(f"prefill:decode needed {needed_ratio:.2f}, current {current_ratio:.2f}", "derived"))
     off = max(needed_ratio, current_ratio) / max(min(needed_ratio, current_ratio), 1e-9)
     if off <= RATIO_MISMATCH:
-        return QuestionResult(
+        return answer(
             6,
-            "disaggregation",
-            title,
             "ok",
             f"disaggregated with a fitting prefill:decode ratio ({current_ratio:.2f}, needed {needed_ratio:.2f})",
             tuple(evidence),
         )
-    return QuestionResult(
+    return answer(
         6,
-        "disaggregation",
-        title,
         "recommend",
         f"prefill:decode ratio {current_ratio:.2f} but traffic needs {needed_ratio:.2f}",
         tuple(evidence),
@@ -999,3 +677,15 @@ QUESTIONS: tuple[Callable[[DiagnosisInput], QuestionResult], ...] = (
 
 def diagnose(inp: DiagnosisInput) -> list[QuestionResult]:
     return [question(inp) for question in QUESTIONS]
+
+
+def traffic_needs(inp: DiagnosisInput) -> tuple[float, float] | None:
+    """(prefill, decode) replicas the observed traffic needs at the planning headroom, or None if unknown."""
+    tel = inp.telemetry
+    if tel is None:
+        return None
+    rate, prompt, generated = tel.request_rate.value, tel.prompt_tokens_rate.value, tel.generation_tokens_rate.value
+    if rate is None or rate < MIN_REQUEST_RATE or prompt is None or generated is None:
+        return None
+    needs = _needed_replicas(inp, prompt, generated, (prompt + generated / 2) / rate)
+    return None if needs is None else (needs[0], needs[1])

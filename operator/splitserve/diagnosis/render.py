@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from splitserve.api.status import Finding
-from splitserve.diagnosis.questions import DiagnosisInput, QuestionResult
+from splitserve.diagnosis.findings import DiagnosisInput, QuestionResult
 
 JSON_SCHEMA_VERSION = "splitserve.io/v1alpha1"
 FIT_WORDS = ("fits", "tight", "does not fit", "fit unknown")

@@ -14,9 +14,10 @@ from typing import Any
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import DiagnosisStatus
 from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable
+from splitserve.diagnosis.findings import DiagnosisInput, QuestionResult
 from splitserve.diagnosis.gpus import GpuChoice, choose_gpu
 from splitserve.diagnosis.model_facts import model_facts
-from splitserve.diagnosis.questions import DiagnosisInput, QuestionResult, diagnose
+from splitserve.diagnosis.questions import diagnose
 from splitserve.diagnosis.render import render_json, render_text, summarise, to_json_document
 from splitserve.diagnosis.telemetry import QuerySource, Telemetry, TelemetryScope, collect, default_scope
 
