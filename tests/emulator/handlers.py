@@ -10,7 +10,7 @@ from typing import Any
 import aiohttp.web
 import yaml
 
-from tests.emulator import discovery, errors, selectors, tables
+from tests.emulator import discovery, errors, protobuf, selectors, tables
 from tests.emulator.api import PATCH_CONTENT_TYPES, KubernetesApi
 from tests.emulator.resources import ResourceInfo
 from tests.emulator.routing import ResourcePath, parse_resource_path, verb_for
@@ -49,7 +49,12 @@ def _error_response(error: errors.ApiError) -> aiohttp.web.Response:
 
 
 def _parse_body(raw: bytes, content_type: str) -> Any:
-    if "protobuf" in content_type or "cbor" in content_type:
+    if "protobuf" in content_type:
+        try:
+            return protobuf.decode(raw)
+        except protobuf.ProtobufError as e:
+            raise errors.ApiError(415, "UnsupportedMediaType", str(e)) from None
+    if "cbor" in content_type:
         raise errors.ApiError(
             415,
             "UnsupportedMediaType",

@@ -96,7 +96,6 @@ def test_get_crd_short_name_shows_printer_columns(kubectl: Kubectl, client: Emul
 
 
 def test_default_table_has_name_and_age(kubectl: Kubectl, namespace: str) -> None:
-    # Not `kubectl create configmap`: its typed client sends protobuf, which the emulator cannot read.
     kubectl("create", "--validate=false", "-f", "-", input=CONFIGMAP_YAML % "settings")
     lines = kubectl("get", "cm").stdout.splitlines()
     assert lines[0].split() == ["NAME", "AGE"]
@@ -136,3 +135,14 @@ def test_watch_sees_changes(kubectl: Kubectl, client: EmulatorClient, namespace:
     kubectl("create", "--validate=false", "-f", "-", input=CONFIGMAP_YAML % "watched")
     result = kubectl("get", "cm", "watched", "-w", "--request-timeout=2s", "-o", "name", check=False, timeout=20)
     assert "configmap/watched" in result.stdout
+
+
+def test_create_generators_sending_protobuf(kubectl: Kubectl, client: EmulatorClient, namespace: str) -> None:
+    kubectl("create", "configmap", "generated", "--from-literal=a=b")
+    kubectl("create", "secret", "generic", "secret", "--from-literal=p=q")
+    kubectl("create", "namespace", f"{namespace}-extra")
+    assert client.get("v1", "configmaps", "generated", namespace=namespace)["data"] == {"a": "b"}
+    assert client.get("v1", "secrets", "secret", namespace=namespace)["data"] == {"p": "cQ=="}
+    assert client.get_or_none("v1", "namespaces", f"{namespace}-extra") is not None
+    unsupported = kubectl("create", "deployment", "d", "--image=x", check=False)
+    assert unsupported.returncode != 0 and "not supported" in unsupported.stderr
