@@ -18,7 +18,13 @@ from splitserve.diagnosis.autopilot import (
     Sample,
     ServingState,
     decide,
+    sample_from_input,
+    state_from_spec,
 )
+from splitserve.diagnosis.model_facts import KvShape, ModelFacts
+from splitserve.diagnosis.questions import traffic_needs
+from splitserve.diagnosis.telemetry import Reading, Telemetry
+from tests.diagnosis.conftest import InputFactory, SpecFactory
 
 POLICY = AutopilotPolicy()  # window 600 s, evaluation 600 s, min interval 1800 s
 DISAGG_OFF = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=2)
@@ -217,3 +223,38 @@ def test_policy_rejects_settings_without_hysteresis_or_evaluation() -> None:
         AutopilotPolicy(speculative_on_below_batch=16, speculative_off_above_batch=16)
     with pytest.raises(ValueError, match="evaluation"):
         AutopilotPolicy(evaluation_s=1800, min_interval_s=1800)
+
+
+def test_state_and_samples_come_from_spec_and_telemetry(make_spec: SpecFactory, make_input: InputFactory) -> None:
+    spec = make_spec(
+        {
+            "engine": {"speculativeDecoding": {"method": "off", "draftModel": "org/draft-1b"}},
+            "prefill": {"replicas": 2},
+            "decode": {"replicas": 3, "maxReplicas": 4},
+        }
+    )
+    state = state_from_spec(spec)
+    assert (state.mode, state.speculative_method, state.speculative_method_when_on) == (
+        Mode.DISAGGREGATED,
+        "off",
+        "draft",
+    )
+    assert state.ratio == pytest.approx(2 / 3)
+
+    values = {
+        "running_per_replica": 5.0,
+        "itl_p90": 0.03,
+        "ttft_p90": 0.9,
+        "prefill_time_p90": 0.3,
+        "request_rate": 10.0,
+        "prompt_tokens_rate": 20_000.0,
+        "generation_tokens_rate": 2_000.0,
+    }
+    telemetry = Telemetry(**{name: Reading(value, "q") for name, value in values.items()})  # type: ignore[arg-type]
+    facts = ModelFacts(8e9, "test", KvShape(32, 8, 128), "test", 32)
+    sample = sample_from_input(make_input(spec, telemetry=telemetry, facts=facts), 42.0)
+    assert sample.time == 42.0 and sample.batch_per_replica == 5.0
+    assert sample.ttft_inflation == pytest.approx(3.0)
+    needs = traffic_needs(make_input(spec, telemetry=telemetry, facts=facts))
+    assert needs is not None and sample.needed_ratio == pytest.approx(needs[0] / needs[1])
+    assert sample_from_input(make_input(spec, facts=facts), 1.0) == Sample(1.0)
