@@ -37,6 +37,9 @@ PLURALS: dict[tuple[str, str], str] = {
 }
 
 
+USER_AGENT = "splitserve-operator/0.1.0"
+
+
 class KubeError(Exception):
     """A failed API call, with the server's reason and message."""
 
@@ -95,7 +98,7 @@ class KubeClient:
     def __init__(self, access: ClusterAccess, *, timeout_seconds: float = 30.0) -> None:
         self._http = httpx.AsyncClient(
             base_url=access.server,
-            headers=access.headers,
+            headers={**access.headers, "User-Agent": USER_AGENT},
             verify=access.verify,
             timeout=httpx.Timeout(timeout_seconds, connect=5.0),
         )

@@ -126,6 +126,8 @@ class Reconciler:
                 if observed is not None and contains(observed, child):
                     continue
                 _, created = await self.kube.apply(child)
+                if observed is not None:
+                    await self._event(body, "Normal", *_change_event(observed, child))
             except KubeError as error:
                 if error.kind_not_installed:
                     failures.append(f"{child['kind']} is not installed in this cluster ({error.message})")
@@ -228,3 +230,15 @@ def _declared_mode(body: Mapping[str, Any]) -> Mode:
     """The mode an invalid spec asks for, so its status still reports the right pools."""
     declared = (body.get("spec") or {}).get("mode")
     return Mode.AGGREGATED if declared == Mode.AGGREGATED.value else Mode.DISAGGREGATED
+
+
+def _change_event(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> tuple[str, str]:
+    """(reason, message) for a child we changed: Scaled when only its replica count moved."""
+    label = f"{desired['kind']} {desired['metadata']['name']}"
+    before = observed.get("spec", {}).get("replicas")
+    after = desired.get("spec", {}).get("replicas")
+    if after is not None and before != after:
+        rest_observed = {**observed, "spec": {**observed.get("spec", {}), "replicas": after}}
+        if contains(rest_observed, desired):
+            return "Scaled", f"scaled {label} from {before} to {after} replicas"
+    return "Updated", f"updated {label} to match the spec"
