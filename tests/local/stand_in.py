@@ -21,6 +21,11 @@ def main() -> int:
     parser.add_argument("--exit-at-start", type=int, default=None)
     parser.add_argument("--ignore-sigterm", action="store_true")
     parser.add_argument("--spawn-child", action="store_true", help="leave a grandchild in the process group")
+    parser.add_argument(
+        "--spawn-child-own-group",
+        action="store_true",
+        help="a grandchild in a process group of its own, which SIGTERM to ours does not reach",
+    )
     args = parser.parse_args()
     print(f"stand-in starting on {args.port}", flush=True)
     if args.exit_at_start is not None:
@@ -32,6 +37,10 @@ def main() -> int:
         # Like vLLM's engine core: a child of the worker, in the worker's process group.
         child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"])
         print(f"stand-in child pid {child.pid}", flush=True)
+    if args.spawn_child_own_group:
+        # Like `splitserve worker` running vLLM with process_group=0 (minus its signal forwarding).
+        loner = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], process_group=0)
+        print(f"stand-in own-group child pid {loner.pid}", flush=True)
     ready_at = time.monotonic() + args.ready_after
 
     class Handler(http.server.BaseHTTPRequestHandler):

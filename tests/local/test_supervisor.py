@@ -130,3 +130,24 @@ def test_slow_starters_get_a_still_starting_line_with_their_last_log_line(
     slow = supervisor.start(stand_in("decode-0", "--ready-after", "1.5"))
     supervisor.wait_ready([slow], timeout_seconds=20)
     assert re.search(r"decode-0 still starting: stand-in starting on \d+", progress_output.getvalue())
+
+
+def test_descendants_in_other_process_groups_are_stopped_too(
+    tmp_path: Path, stand_in: Callable[..., ProcessSpec], progress_output: io.StringIO
+) -> None:
+    from splitserve.local.procs import descendants
+    from splitserve.local.supervisor import Progress
+
+    supervisor = Supervisor(tmp_path, Progress(progress_output), stop_grace_seconds=0.5)
+    worker = supervisor.start(stand_in("decode-0", "--spawn-child-own-group"))
+    supervisor.wait_ready([worker], timeout_seconds=20)
+    deadline = time.monotonic() + 5
+    while not descendants(worker.pid) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    (loner,) = descendants(worker.pid)
+    assert loner not in group_members(worker.pid)
+
+    supervisor.stop_all()
+
+    assert not is_alive(loner), "a grandchild that left the worker's group must not outlive `up`"
+    assert not is_alive(worker.pid)

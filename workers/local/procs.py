@@ -77,6 +77,18 @@ def rss_bytes(pid: int) -> int:
     return 0
 
 
-def group_rss_bytes(pgid: int) -> int:
-    """Resident memory of a whole process group (a vLLM worker and its engine-core children)."""
-    return sum(rss_bytes(pid) for pid in group_members(pgid))
+def process_tree(pid: int) -> set[int]:
+    """A process, its descendants and its group, whatever groups the descendants moved to.
+
+    `splitserve worker` runs vLLM in a process group of its own, and vLLM's engine core is a child
+    of that: stopping a worker means waiting for all of them, not just the worker's group.
+    """
+    tree = descendants(pid) | set(group_members(pid))
+    if is_alive(pid):
+        tree.add(pid)
+    return tree
+
+
+def tree_rss_bytes(pid: int) -> int:
+    """Resident memory of a process and everything below it (a worker, its vLLM and engine core)."""
+    return sum(rss_bytes(member) for member in process_tree(pid))

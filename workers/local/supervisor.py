@@ -25,7 +25,7 @@ from typing import BinaryIO, TextIO
 import httpx
 
 from splitserve.local.plan import ProcessSpec
-from splitserve.local.procs import group_members, group_rss_bytes
+from splitserve.local.procs import group_members, is_alive, process_tree, tree_rss_bytes
 
 PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.2
@@ -215,7 +215,7 @@ class Supervisor:
 
     def memory_bytes(self) -> int:
         """Resident memory of everything this supervisor runs now."""
-        return sum(group_rss_bytes(process.pid) for process in self.processes)
+        return sum(tree_rss_bytes(process.pid) for process in self.processes)
 
     # ------------------------------------------------------------------ run
 
@@ -237,42 +237,50 @@ class Supervisor:
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(process.pid, sig)
 
-    def _live(self, processes: Sequence[RunningProcess]) -> list[RunningProcess]:
-        for process in processes:
-            process.popen.poll()  # reap the leader so it does not linger as a zombie
-        return [process for process in processes if group_members(process.pid)]
+    @staticmethod
+    def _remaining(process: RunningProcess, known: set[int]) -> set[int]:
+        """What is left of a process: the pids seen before the stop, plus anything new in its group."""
+        process.popen.poll()  # reap the leader so it does not linger as a zombie
+        return {pid for pid in known if is_alive(pid)} | set(group_members(process.pid))
 
-    def _wait_gone(self, processes: Sequence[RunningProcess], seconds: float) -> list[RunningProcess]:
+    def _wait_gone(self, trees: dict[str, tuple[RunningProcess, set[int]]], seconds: float) -> list[str]:
+        """Names of the processes with something still running after up to `seconds`."""
         deadline = time.monotonic() + seconds
-        live = self._live(processes)
-        while live and time.monotonic() < deadline and not self._hurry:
+        while True:
+            live = [name for name, (process, known) in trees.items() if self._remaining(process, known)]
+            if not live or time.monotonic() >= deadline or self._hurry:
+                return live
             time.sleep(0.05)
-            live = self._live(live)
-        return live
 
     def stop_all(self) -> bool:
-        """Stop every child and its whole group; True when all left on SIGTERM within the grace time."""
+        """Stop every child and everything below it; True when all left on SIGTERM within the grace time."""
         # Router first: it stops taking requests before the workers behind it go away.
         ordered = sorted(self.processes, key=lambda process: process.name != "router")
-        live = self._live(ordered)
-        if not live:
+        # Snapshot the trees now: once a worker exits, its orphans no longer show up as its descendants.
+        trees = {process.name: (process, process_tree(process.pid)) for process in ordered}
+        trees = {name: tree for name, tree in trees.items() if self._remaining(*tree)}
+        if not trees:
             return True
         started = time.monotonic()
-        self.progress.say("stopping " + ", ".join(process.name for process in live))
-        for process in live:
+        self.progress.say("stopping " + ", ".join(trees))
+        for process, _ in trees.values():
             self._signal_group(process, signal.SIGTERM)
-        stragglers = self._wait_gone(live, self.stop_grace_seconds)
-        for process in stragglers:
-            self.progress.say(f"{process.name} still running after {self.stop_grace_seconds:.0f}s: SIGKILL")
+        stragglers = self._wait_gone(trees, self.stop_grace_seconds)
+        for name in stragglers:
+            process, known = trees[name]
+            self.progress.say(f"{name} still running after {self.stop_grace_seconds:.0f}s: SIGKILL")
             self._signal_group(process, signal.SIGKILL)
+            for pid in self._remaining(process, known):
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.kill(pid, signal.SIGKILL)
         self._hurry = False
-        leftovers = self._wait_gone(stragglers, 5.0)
+        leftovers = self._wait_gone({name: trees[name] for name in stragglers}, 5.0)
         for process in self.processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.popen.wait(timeout=1.0)
         if leftovers:
-            pids = sorted(pid for process in leftovers for pid in group_members(process.pid))
+            pids = sorted(pid for name in leftovers for pid in self._remaining(*trees[name]))
             self.progress.say(f"could not stop processes {pids}")
             return False
-        self.progress.say(f"stopped {len(live)} processes in {time.monotonic() - started:.1f}s")
+        self.progress.say(f"stopped {len(trees)} processes in {time.monotonic() - started:.1f}s")
         return not stragglers
