@@ -45,10 +45,23 @@ async def test_router_metrics_fall_back_to_engine_counters(fake_prometheus: Call
     assert telemetry.prompt_tokens_rate.value == 900.0
 
 
-def test_default_scope_uses_served_model_name_and_namespace(make_spec: SpecFactory) -> None:
-    spec = make_spec({"model": {"name": "llama-8b"}})
-    assert default_scope(spec, "ml").engine_selector == 'model_name="llama-8b",namespace="ml"'
-    assert default_scope(spec, None).router_selector == ""
+def test_default_scope_matches_the_monitor_relabelled_labels() -> None:
+    assert default_scope("chat", "ml").engine_selector == 'namespace="ml",deployment="chat"'
+    assert default_scope("chat", None).router_selector == 'deployment="chat"'
+
+
+async def test_per_pool_queries_use_roles_and_fall_back_to_all_workers(
+    fake_prometheus: Callable[..., FakePrometheus],
+) -> None:
+    prom = fake_prometheus({'vllm:num_requests_running{model_name="m",namespace="ml"}': 7.0})
+    telemetry = await collect(prom, SCOPE)
+    assert telemetry.running_per_replica.value == 7.0
+    assert 'role=~"decode|aggregated"' not in telemetry.running_per_replica.query
+    assert any(
+        'vllm:num_requests_running{model_name="m",namespace="ml",role=~"decode|aggregated"}' in q for q in prom.queries
+    )
+    with_roles = await collect(fake_prometheus({"vllm:num_requests_running": 3.0}), SCOPE)
+    assert 'role=~"decode|aggregated"' in with_roles.running_per_replica.query
 
 
 async def test_empty_router_selector_still_gives_valid_promql(fake_prometheus: Callable[..., FakePrometheus]) -> None:

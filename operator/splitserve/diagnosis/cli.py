@@ -30,8 +30,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model-dir", metavar="DIR", help="local directory (or config.json) of the model")
     parser.add_argument("--window", default="5m", help="PromQL rate window (default 5m)")
     parser.add_argument("--namespace", help="namespace for telemetry label matching (default: metadata.namespace)")
-    parser.add_argument("--engine-selector", help='PromQL label matchers for vLLM series (default: model_name="...")')
-    parser.add_argument("--router-selector", help="PromQL label matchers for router series (default: namespace)")
+    parser.add_argument(
+        "--engine-selector", help='PromQL label matchers for vLLM series (default: namespace="NS",deployment="NAME")'
+    )
+    parser.add_argument("--router-selector", help="PromQL label matchers for router series (same default)")
 
 
 def first_deployment(text: str, filename: str) -> dict[str, Any]:

@@ -85,7 +85,7 @@ async def run_diagnosis(
     """Diagnose one spec. Pass `source` (a Prometheus client) or `prometheus_url`; neither means no telemetry."""
     gpus = gpu_choices(spec, gpu)
     facts = model_facts(spec, model_dir, cache_dirs)
-    scope = default_scope(spec, namespace, window)
+    scope = default_scope(name, namespace, window)
     if engine_selector is not None or router_selector is not None:
         scope = TelemetryScope(
             engine_selector if engine_selector is not None else scope.engine_selector,

@@ -4,10 +4,12 @@ This is the only I/O in the diagnosis besides reading files. Every query is an i
 rate window (`[5m]` by default); histograms are read as p90 via `histogram_quantile`, the output-length
 histogram as its raw buckets so the (pure) questions can compute a coefficient of variation.
 
-Which series belong to the deployment: vLLM labels every engine metric with `model_name` (the
-served name, `spec.model.name`), so engine queries match on that plus the namespace when known;
-router metrics carry no model label and are matched on the namespace (override both with the CLI's
---engine-selector / --router-selector).
+Which series belong to the deployment: the operator's PodMonitor/ServiceMonitor copy the pods'
+`splitserve.io/deployment` and `splitserve.io/role` labels into `deployment` and `role` (as the
+autoscaler expects), so queries match `namespace="<ns>",deployment="<name>"`; per-pool numbers
+(inter-token latency and batch size on decode, prefill time on prefill) add `role=~"..."` and fall
+back to all workers when no series carries a role (a Prometheus without that relabelling). Override
+the matchers with the CLI's --engine-selector / --router-selector.
 """
 
 from __future__ import annotations
@@ -16,8 +18,6 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
-
-from splitserve.api.spec import InferenceDeploymentSpec
 
 
 class QuerySource(Protocol):
@@ -77,13 +77,13 @@ class TelemetryScope:
     window: str = "5m"
 
 
-def default_scope(spec: InferenceDeploymentSpec, namespace: str | None, window: str = "5m") -> TelemetryScope:
-    engine = [f'model_name="{spec.model.name}"']
-    router: list[str] = []
-    if namespace:
-        engine.append(f'namespace="{namespace}"')
-        router.append(f'namespace="{namespace}"')
-    return TelemetryScope(",".join(engine), ",".join(router), window)
+def default_scope(name: str, namespace: str | None, window: str = "5m") -> TelemetryScope:
+    matchers = _join(f'namespace="{namespace}"' if namespace else "", f'deployment="{name}"')
+    return TelemetryScope(matchers, matchers, window)
+
+
+DECODE_ROLES = 'role=~"decode|aggregated"'
+PREFILL_ROLES = 'role=~"prefill|aggregated"'
 
 
 def _p90(metric: str, selector: str, window: str) -> str:
@@ -118,6 +118,7 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         return reading
 
     capacity = _join(e, 'reason="capacity"')
+    decode, prefill = _join(e, DECODE_ROLES), _join(e, PREFILL_ROLES)
     buckets_query = f"sum by (le) (rate(splitserve_router_output_tokens_bucket{{{r}}}[{w}]))"
     raw_buckets = await source.query_vector(buckets_query)
     buckets = sorted(
@@ -136,10 +137,17 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         waiting_for_capacity=await scalar(
             f"sum(avg_over_time(vllm:num_requests_waiting_by_reason{{{capacity}}}[{w}]))"
         ),
-        itl_p90=await scalar(_p90("vllm:inter_token_latency_seconds", e, w)),
-        running_per_replica=await scalar(f"max(avg_over_time(vllm:num_requests_running{{{e}}}[{w}]))"),
+        itl_p90=await first_of(
+            _p90("vllm:inter_token_latency_seconds", decode, w), _p90("vllm:inter_token_latency_seconds", e, w)
+        ),
+        running_per_replica=await first_of(
+            f"max(avg_over_time(vllm:num_requests_running{{{decode}}}[{w}]))",
+            f"max(avg_over_time(vllm:num_requests_running{{{e}}}[{w}]))",
+        ),
         ttft_p90=await scalar(_p90("vllm:time_to_first_token_seconds", e, w)),
-        prefill_time_p90=await scalar(_p90("vllm:request_prefill_time_seconds", e, w)),
+        prefill_time_p90=await first_of(
+            _p90("vllm:request_prefill_time_seconds", prefill, w), _p90("vllm:request_prefill_time_seconds", e, w)
+        ),
         request_rate=await first_of(
             f"sum(rate(splitserve_router_prompt_tokens_count{{{r}}}[{w}]))",
             f"sum(rate(vllm:request_success_total{{{e}}}[{w}]))",
