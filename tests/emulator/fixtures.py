@@ -182,7 +182,7 @@ def emulator_factory(tmp_path: Path) -> Iterator[Callable[..., EmulatorProcess]]
 
 @pytest.fixture(scope="module")
 def shared_emulator(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
-    """One emulator for a whole test module (faster); give each test its own namespace (`test_namespace`)."""
+    """One emulator for a whole test module (faster); give each test its own namespace (`fresh_namespace`)."""
     process = EmulatorProcess(tmp_path_factory.mktemp("emulator"))
     process.start()
     try:
@@ -198,7 +198,7 @@ def shared_client(shared_emulator: EmulatorProcess) -> Iterator[EmulatorClient]:
 
 
 @pytest.fixture
-def test_namespace(shared_client: EmulatorClient, request: pytest.FixtureRequest) -> str:
+def fresh_namespace(shared_client: EmulatorClient, request: pytest.FixtureRequest) -> str:
     """A fresh namespace in the shared emulator, named after the test."""
     name = "t-" + "".join(c if c.isalnum() else "-" for c in request.node.name.lower())[:40].strip("-")
     shared_client.create_namespace(name)
@@ -217,9 +217,9 @@ def kubectl(emulator: EmulatorProcess) -> Kubectl:
 
 
 @pytest.fixture
-def namespaced_kubectl(shared_emulator: EmulatorProcess, test_namespace: str) -> Kubectl:
+def namespaced_kubectl(shared_emulator: EmulatorProcess, fresh_namespace: str) -> Kubectl:
     """kubectl on the module's shared emulator, defaulting to this test's own namespace."""
-    return Kubectl(shared_emulator, namespace=test_namespace)
+    return Kubectl(shared_emulator, namespace=fresh_namespace)
 
 
 @pytest_asyncio.fixture

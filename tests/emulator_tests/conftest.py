@@ -3,9 +3,9 @@ from tests.emulator.fixtures import (  # noqa: F401  (fixtures are found by name
     emulator,
     emulator_client,
     emulator_factory,
+    fresh_namespace,
     kubectl,
     namespaced_kubectl,
     shared_client,
     shared_emulator,
-    test_namespace,
 )

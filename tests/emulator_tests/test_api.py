@@ -85,43 +85,43 @@ def widgets(shared_client: EmulatorClient) -> str:
     return f"{CRD_GROUP}/v1"
 
 
-def test_create_sets_server_metadata_and_answers_201(shared_client: EmulatorClient, test_namespace: str) -> None:
+def test_create_sets_server_metadata_and_answers_201(shared_client: EmulatorClient, fresh_namespace: str) -> None:
     response = shared_client.http.post(
-        f"/api/v1/namespaces/{test_namespace}/configmaps", json={"metadata": {"name": "a"}, "data": {}}
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps", json={"metadata": {"name": "a"}, "data": {}}
     )
     assert response.status_code == 201
     created = response.json()
     metadata = created["metadata"]
-    assert metadata["namespace"] == test_namespace
+    assert metadata["namespace"] == fresh_namespace
     assert metadata["uid"] and metadata["creationTimestamp"].endswith("Z")
     assert (created["apiVersion"], created["kind"]) == ("v1", "ConfigMap")
     assert int(metadata["resourceVersion"]) > 0
 
 
-def test_resource_versions_increase(shared_client: EmulatorClient, test_namespace: str) -> None:
-    first = shared_client.create(configmap("a", test_namespace))
-    second = shared_client.patch(*CM, "a", {"data": {"key": "other"}}, namespace=test_namespace)
+def test_resource_versions_increase(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    first = shared_client.create(configmap("a", fresh_namespace))
+    second = shared_client.patch(*CM, "a", {"data": {"key": "other"}}, namespace=fresh_namespace)
     assert int(second["metadata"]["resourceVersion"]) > int(first["metadata"]["resourceVersion"])
 
 
-def test_missing_object_is_a_404_status(shared_client: EmulatorClient, test_namespace: str) -> None:
-    response = shared_client.http.get(f"/api/v1/namespaces/{test_namespace}/configmaps/nope")
+def test_missing_object_is_a_404_status(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    response = shared_client.http.get(f"/api/v1/namespaces/{fresh_namespace}/configmaps/nope")
     assert response.status_code == 404
     body = response.json()
     assert (body["kind"], body["reason"], body["code"]) == ("Status", "NotFound", 404)
     assert body["details"]["name"] == "nope"
 
 
-def test_duplicate_create_is_409_already_exists(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace))
+def test_duplicate_create_is_409_already_exists(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace))
     with pytest.raises(ApiError) as error:
-        shared_client.create(configmap("a", test_namespace))
+        shared_client.create(configmap("a", fresh_namespace))
     assert (error.value.status_code, error.value.reason) == (409, "AlreadyExists")
 
 
-def test_stale_resource_version_is_409_conflict(shared_client: EmulatorClient, test_namespace: str) -> None:
-    created = shared_client.create(configmap("a", test_namespace))
-    shared_client.patch(*CM, "a", {"data": {"key": "2"}}, namespace=test_namespace)
+def test_stale_resource_version_is_409_conflict(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    created = shared_client.create(configmap("a", fresh_namespace))
+    shared_client.patch(*CM, "a", {"data": {"key": "2"}}, namespace=fresh_namespace)
     with pytest.raises(ApiError) as error:
         shared_client.replace(*CM, created)
     assert (error.value.status_code, error.value.reason) == (409, "Conflict")
@@ -130,29 +130,29 @@ def test_stale_resource_version_is_409_conflict(shared_client: EmulatorClient, t
             *CM,
             "a",
             {"metadata": {"resourceVersion": created["metadata"]["resourceVersion"]}},
-            namespace=test_namespace,
+            namespace=fresh_namespace,
         )
     assert error.value.status_code == 409
 
 
-def test_put_replaces_and_404s_when_missing(shared_client: EmulatorClient, test_namespace: str) -> None:
-    created = shared_client.create(configmap("a", test_namespace))
+def test_put_replaces_and_404s_when_missing(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    created = shared_client.create(configmap("a", fresh_namespace))
     created["data"] = {"new": "x"}
     replaced = shared_client.replace(*CM, created)
     assert replaced["data"] == {"new": "x"}
     with pytest.raises(ApiError) as error:
-        shared_client.replace(*CM, configmap("missing", test_namespace))
+        shared_client.replace(*CM, configmap("missing", fresh_namespace))
     assert error.value.status_code == 404
 
 
-def test_json_patch_failed_test_is_422(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace))
+def test_json_patch_failed_test_is_422(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace))
     with pytest.raises(ApiError) as error:
         shared_client.patch(
             *CM,
             "a",
             [{"op": "test", "path": "/data/key", "value": "wrong"}],
-            namespace=test_namespace,
+            namespace=fresh_namespace,
             patch_type="json",
         )
     assert error.value.status_code == 422
@@ -160,83 +160,85 @@ def test_json_patch_failed_test_is_422(shared_client: EmulatorClient, test_names
         *CM,
         "a",
         [{"op": "test", "path": "/data/key", "value": "value"}, {"op": "add", "path": "/data/more", "value": "1"}],
-        namespace=test_namespace,
+        namespace=fresh_namespace,
         patch_type="json",
     )
     assert patched["data"] == {"key": "value", "more": "1"}
 
 
-def test_merge_patch_null_deletes(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace, tier="x"))
+def test_merge_patch_null_deletes(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace, tier="x"))
     patched = shared_client.patch(
-        *CM, "a", {"metadata": {"labels": {"tier": None, "new": "y"}}}, namespace=test_namespace
+        *CM, "a", {"metadata": {"labels": {"tier": None, "new": "y"}}}, namespace=fresh_namespace
     )
     assert patched["metadata"]["labels"] == {"new": "y"}
 
 
-def test_strategic_merge_merges_containers_by_name(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(deployment("d", test_namespace))
+def test_strategic_merge_merges_containers_by_name(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(deployment("d", fresh_namespace))
     patch = {"spec": {"template": {"spec": {"containers": [{"name": "sidecar", "image": "s"}]}}}}
-    patched = shared_client.patch(*DEPLOY, "d", patch, namespace=test_namespace, patch_type="strategic")
+    patched = shared_client.patch(*DEPLOY, "d", patch, namespace=fresh_namespace, patch_type="strategic")
     names = [c["name"] for c in patched["spec"]["template"]["spec"]["containers"]]
     assert names == ["c", "sidecar"]
 
 
-def test_generation_bumps_on_spec_changes_only(shared_client: EmulatorClient, test_namespace: str) -> None:
-    created = shared_client.create(deployment("d", test_namespace))
+def test_generation_bumps_on_spec_changes_only(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    created = shared_client.create(deployment("d", fresh_namespace))
     assert created["metadata"]["generation"] == 1
-    labelled = shared_client.patch(*DEPLOY, "d", {"metadata": {"labels": {"a": "b"}}}, namespace=test_namespace)
+    labelled = shared_client.patch(*DEPLOY, "d", {"metadata": {"labels": {"a": "b"}}}, namespace=fresh_namespace)
     assert labelled["metadata"]["generation"] == 1
     status = shared_client.patch(
-        *DEPLOY, "d", {"status": {"observedGeneration": 1}}, namespace=test_namespace, subresource="status"
+        *DEPLOY, "d", {"status": {"observedGeneration": 1}}, namespace=fresh_namespace, subresource="status"
     )
     assert status["metadata"]["generation"] == 1
     assert int(status["metadata"]["resourceVersion"]) > int(labelled["metadata"]["resourceVersion"])
-    scaled = shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 5}}, namespace=test_namespace)
+    scaled = shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 5}}, namespace=fresh_namespace)
     assert scaled["metadata"]["generation"] == 2
 
 
-def test_status_subresource_separates_status(shared_client: EmulatorClient, test_namespace: str, widgets: str) -> None:
+def test_status_subresource_separates_status(shared_client: EmulatorClient, fresh_namespace: str, widgets: str) -> None:
     shared_client.create(
         {
             "apiVersion": widgets,
             "kind": "Widget",
-            "metadata": {"name": "w", "namespace": test_namespace},
+            "metadata": {"name": "w", "namespace": fresh_namespace},
             "spec": {"size": 1},
             "status": {"ignored": True},
         }
     )
-    found = shared_client.get(widgets, "widgets", "w", namespace=test_namespace)
+    found = shared_client.get(widgets, "widgets", "w", namespace=fresh_namespace)
     assert "status" not in found  # dropped on create: the CRD has a status subresource
     shared_client.patch(
         widgets,
         "widgets",
         "w",
         {"status": {"phase": "Ok"}, "spec": {"size": 9}},
-        namespace=test_namespace,
+        namespace=fresh_namespace,
         subresource="status",
     )
-    found = shared_client.get(widgets, "widgets", "w", namespace=test_namespace)
+    found = shared_client.get(widgets, "widgets", "w", namespace=fresh_namespace)
     assert found["status"] == {"phase": "Ok"} and found["spec"]["size"] == 1
-    main = shared_client.patch(widgets, "widgets", "w", {"status": {"phase": "Hacked"}}, namespace=test_namespace)
+    main = shared_client.patch(widgets, "widgets", "w", {"status": {"phase": "Hacked"}}, namespace=fresh_namespace)
     assert main["status"] == {"phase": "Ok"}
 
 
-def test_scale_subresource_of_deployment(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(deployment("d", test_namespace, replicas=2))
-    scale = shared_client.get(*DEPLOY, "d", namespace=test_namespace, subresource="scale")
+def test_scale_subresource_of_deployment(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(deployment("d", fresh_namespace, replicas=2))
+    scale = shared_client.get(*DEPLOY, "d", namespace=fresh_namespace, subresource="scale")
     assert (scale["kind"], scale["apiVersion"], scale["spec"]["replicas"]) == ("Scale", "autoscaling/v1", 2)
     assert scale["status"]["selector"] == "app=d"
-    shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 4}}, namespace=test_namespace, subresource="scale")
-    assert shared_client.get(*DEPLOY, "d", namespace=test_namespace)["spec"]["replicas"] == 4
+    shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 4}}, namespace=fresh_namespace, subresource="scale")
+    assert shared_client.get(*DEPLOY, "d", namespace=fresh_namespace)["spec"]["replicas"] == 4
 
 
-def test_scale_subresource_of_custom_resource(shared_client: EmulatorClient, test_namespace: str, widgets: str) -> None:
+def test_scale_subresource_of_custom_resource(
+    shared_client: EmulatorClient, fresh_namespace: str, widgets: str
+) -> None:
     shared_client.create(
         {
             "apiVersion": widgets,
             "kind": "Widget",
-            "metadata": {"name": "w", "namespace": test_namespace},
+            "metadata": {"name": "w", "namespace": fresh_namespace},
             "spec": {"size": 1},
         }
     )
@@ -245,14 +247,14 @@ def test_scale_subresource_of_custom_resource(shared_client: EmulatorClient, tes
         "widgets",
         "w",
         {"status": {"size": 1, "selector": "app=w"}},
-        namespace=test_namespace,
+        namespace=fresh_namespace,
         subresource="status",
     )
-    scale = shared_client.get(widgets, "widgets", "w", namespace=test_namespace, subresource="scale")
+    scale = shared_client.get(widgets, "widgets", "w", namespace=fresh_namespace, subresource="scale")
     assert scale["spec"]["replicas"] == 1 and scale["status"] == {"replicas": 1, "selector": "app=w"}
     scale["spec"]["replicas"] = 3
-    shared_client.request("PUT", f"/apis/{widgets}/namespaces/{test_namespace}/widgets/w/scale", json=scale)
-    assert shared_client.get(widgets, "widgets", "w", namespace=test_namespace)["spec"]["size"] == 3
+    shared_client.request("PUT", f"/apis/{widgets}/namespaces/{fresh_namespace}/widgets/w/scale", json=scale)
+    assert shared_client.get(widgets, "widgets", "w", namespace=fresh_namespace)["spec"]["size"] == 3
 
 
 @pytest.mark.parametrize(
@@ -268,49 +270,49 @@ def test_scale_subresource_of_custom_resource(shared_client: EmulatorClient, tes
     ],
 )
 def test_label_selectors(
-    shared_client: EmulatorClient, test_namespace: str, selector: str, expected: list[str]
+    shared_client: EmulatorClient, fresh_namespace: str, selector: str, expected: list[str]
 ) -> None:
-    shared_client.create(configmap("a", test_namespace, tier="web"))
-    shared_client.create(configmap("b", test_namespace, tier="db", zone="z1"))
-    shared_client.create(configmap("c", test_namespace))
-    found = shared_client.list(*CM, namespace=test_namespace, label_selector=selector)
+    shared_client.create(configmap("a", fresh_namespace, tier="web"))
+    shared_client.create(configmap("b", fresh_namespace, tier="db", zone="z1"))
+    shared_client.create(configmap("c", fresh_namespace))
+    found = shared_client.list(*CM, namespace=fresh_namespace, label_selector=selector)
     assert sorted(obj["metadata"]["name"] for obj in found) == expected
 
 
-def test_field_selectors_and_cluster_wide_list(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace))
-    shared_client.create(configmap("b", test_namespace))
+def test_field_selectors_and_cluster_wide_list(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace))
+    shared_client.create(configmap("b", fresh_namespace))
     by_name = shared_client.list(*CM, field_selector="metadata.name=a")
     assert [
         (o["metadata"]["namespace"], o["metadata"]["name"])
         for o in by_name
-        if o["metadata"]["namespace"] == test_namespace
-    ] == [(test_namespace, "a")]
-    in_namespace = shared_client.list(*CM, field_selector=f"metadata.namespace={test_namespace},metadata.name!=a")
+        if o["metadata"]["namespace"] == fresh_namespace
+    ] == [(fresh_namespace, "a")]
+    in_namespace = shared_client.list(*CM, field_selector=f"metadata.namespace={fresh_namespace},metadata.name!=a")
     assert [o["metadata"]["name"] for o in in_namespace] == ["b"]
 
 
-def test_list_has_resource_version(shared_client: EmulatorClient, test_namespace: str) -> None:
-    body = shared_client.request("GET", f"/api/v1/namespaces/{test_namespace}/configmaps")
+def test_list_has_resource_version(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    body = shared_client.request("GET", f"/api/v1/namespaces/{fresh_namespace}/configmaps")
     assert body["kind"] == "ConfigMapList" and int(body["metadata"]["resourceVersion"]) > 0
 
 
-def test_finalizers_delay_deletion(shared_client: EmulatorClient, test_namespace: str) -> None:
-    obj = configmap("a", test_namespace)
+def test_finalizers_delay_deletion(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    obj = configmap("a", fresh_namespace)
     obj["metadata"]["finalizers"] = ["example.com/hold"]
     shared_client.create(obj)
-    deleting = shared_client.delete(*CM, "a", namespace=test_namespace)
+    deleting = shared_client.delete(*CM, "a", namespace=fresh_namespace)
     assert deleting["metadata"]["deletionTimestamp"]
-    assert shared_client.get_or_none(*CM, "a", namespace=test_namespace) is not None
-    shared_client.patch(*CM, "a", {"metadata": {"finalizers": None}}, namespace=test_namespace)
-    assert shared_client.get_or_none(*CM, "a", namespace=test_namespace) is None
+    assert shared_client.get_or_none(*CM, "a", namespace=fresh_namespace) is not None
+    shared_client.patch(*CM, "a", {"metadata": {"finalizers": None}}, namespace=fresh_namespace)
+    assert shared_client.get_or_none(*CM, "a", namespace=fresh_namespace) is None
 
 
-def test_owner_garbage_collection_cascades(shared_client: EmulatorClient, test_namespace: str) -> None:
-    owner = shared_client.create(configmap("owner", test_namespace))
+def test_owner_garbage_collection_cascades(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    owner = shared_client.create(configmap("owner", fresh_namespace))
 
     def owned_by(parent: dict[str, Any], name: str) -> dict[str, Any]:
-        child = configmap(name, test_namespace)
+        child = configmap(name, fresh_namespace)
         child["metadata"]["ownerReferences"] = [
             {
                 "apiVersion": "v1",
@@ -323,21 +325,21 @@ def test_owner_garbage_collection_cascades(shared_client: EmulatorClient, test_n
 
     child = owned_by(owner, "child")
     owned_by(child, "grandchild")
-    shared_client.create(configmap("bystander", test_namespace))
-    shared_client.delete(*CM, "owner", namespace=test_namespace)
-    names = sorted(o["metadata"]["name"] for o in shared_client.list(*CM, namespace=test_namespace))
+    shared_client.create(configmap("bystander", fresh_namespace))
+    shared_client.delete(*CM, "owner", namespace=fresh_namespace)
+    names = sorted(o["metadata"]["name"] for o in shared_client.list(*CM, namespace=fresh_namespace))
     assert names == ["bystander"]
 
 
-def test_orphan_propagation_keeps_dependents(shared_client: EmulatorClient, test_namespace: str) -> None:
-    owner = shared_client.create(configmap("owner", test_namespace))
-    child = configmap("child", test_namespace)
+def test_orphan_propagation_keeps_dependents(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    owner = shared_client.create(configmap("owner", fresh_namespace))
+    child = configmap("child", fresh_namespace)
     child["metadata"]["ownerReferences"] = [
         {"apiVersion": "v1", "kind": "ConfigMap", "name": "owner", "uid": owner["metadata"]["uid"]}
     ]
     shared_client.create(child)
-    shared_client.delete(*CM, "owner", namespace=test_namespace, propagation="Orphan")
-    kept = shared_client.get(*CM, "child", namespace=test_namespace)
+    shared_client.delete(*CM, "owner", namespace=fresh_namespace, propagation="Orphan")
+    kept = shared_client.get(*CM, "child", namespace=fresh_namespace)
     assert kept["metadata"]["ownerReferences"] == []
 
 
@@ -389,23 +391,23 @@ def test_builtin_discovery(shared_client: EmulatorClient) -> None:
     assert shared_client.request("GET", "/version")["minor"] == "37"
 
 
-def test_generate_name(shared_client: EmulatorClient, test_namespace: str) -> None:
-    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "gen-", "namespace": test_namespace}}
+def test_generate_name(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    body = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"generateName": "gen-", "namespace": fresh_namespace}}
     first, second = shared_client.create(body), shared_client.create(body)
     assert first["metadata"]["name"].startswith("gen-")
     assert first["metadata"]["name"] != second["metadata"]["name"]
 
 
-def test_delete_collection_with_selector(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace, drop="yes"))
-    shared_client.create(configmap("b", test_namespace))
+def test_delete_collection_with_selector(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace, drop="yes"))
+    shared_client.create(configmap("b", fresh_namespace))
     shared_client.request(
-        "DELETE", f"/api/v1/namespaces/{test_namespace}/configmaps", params={"labelSelector": "drop=yes"}
+        "DELETE", f"/api/v1/namespaces/{fresh_namespace}/configmaps", params={"labelSelector": "drop=yes"}
     )
-    assert [o["metadata"]["name"] for o in shared_client.list(*CM, namespace=test_namespace)] == ["b"]
+    assert [o["metadata"]["name"] for o in shared_client.list(*CM, namespace=fresh_namespace)] == ["b"]
 
 
-def test_namespaces_must_exist_and_deleting_one_empties_it(shared_client: EmulatorClient) -> None:
+def fresh_namespaces_must_exist_and_deleting_one_empties_it(shared_client: EmulatorClient) -> None:
     with pytest.raises(ApiError) as error:
         shared_client.create(configmap("a", "does-not-exist"))
     assert error.value.status_code == 404
@@ -415,11 +417,11 @@ def test_namespaces_must_exist_and_deleting_one_empties_it(shared_client: Emulat
     assert shared_client.list(*CM, namespace="doomed") == []
 
 
-def test_events_are_accepted(shared_client: EmulatorClient, test_namespace: str) -> None:
+def test_events_are_accepted(shared_client: EmulatorClient, fresh_namespace: str) -> None:
     core = {
         "apiVersion": "v1",
         "kind": "Event",
-        "metadata": {"generateName": "e-", "namespace": test_namespace},
+        "metadata": {"generateName": "e-", "namespace": fresh_namespace},
         "reason": "Test",
         "message": "hello",
         "involvedObject": {"kind": "ConfigMap", "name": "a"},
@@ -428,7 +430,7 @@ def test_events_are_accepted(shared_client: EmulatorClient, test_namespace: str)
     modern = {
         "apiVersion": "events.k8s.io/v1",
         "kind": "Event",
-        "metadata": {"generateName": "e-", "namespace": test_namespace},
+        "metadata": {"generateName": "e-", "namespace": fresh_namespace},
         "reason": "Test",
         "note": "hi",
         "eventTime": "2026-01-01T00:00:00.000000Z",
@@ -437,34 +439,34 @@ def test_events_are_accepted(shared_client: EmulatorClient, test_namespace: str)
         "action": "Testing",
     }
     shared_client.create(modern)
-    assert len(shared_client.list("v1", "events", namespace=test_namespace)) == 1
-    assert len(shared_client.list("events.k8s.io/v1", "events", namespace=test_namespace)) == 1
+    assert len(shared_client.list("v1", "events", namespace=fresh_namespace)) == 1
+    assert len(shared_client.list("events.k8s.io/v1", "events", namespace=fresh_namespace)) == 1
 
 
-def test_request_log_records_verbs(shared_client: EmulatorClient, test_namespace: str) -> None:
+def test_request_log_records_verbs(shared_client: EmulatorClient, fresh_namespace: str) -> None:
     shared_client.clear_requests_log()
-    shared_client.create(configmap("a", test_namespace))
-    shared_client.list(*CM, namespace=test_namespace)
-    shared_client.delete(*CM, "a", namespace=test_namespace)
+    shared_client.create(configmap("a", fresh_namespace))
+    shared_client.list(*CM, namespace=fresh_namespace)
+    shared_client.delete(*CM, "a", namespace=fresh_namespace)
     log = [
         (r["verb"], r["resource"], r["namespace"])
         for r in shared_client.requests_log()
         if r["resource"] == "configmaps"
     ]
     assert log == [
-        ("create", "configmaps", test_namespace),
-        ("list", "configmaps", test_namespace),
-        ("delete", "configmaps", test_namespace),
+        ("create", "configmaps", fresh_namespace),
+        ("list", "configmaps", fresh_namespace),
+        ("delete", "configmaps", fresh_namespace),
     ]
     assert all(r["user_agent"].startswith("emulator-test-client") for r in shared_client.requests_log())
 
 
-def test_table_for_crd_printer_columns(shared_client: EmulatorClient, test_namespace: str, widgets: str) -> None:
+def test_table_for_crd_printer_columns(shared_client: EmulatorClient, fresh_namespace: str, widgets: str) -> None:
     shared_client.create(
         {
             "apiVersion": widgets,
             "kind": "Widget",
-            "metadata": {"name": "w", "namespace": test_namespace},
+            "metadata": {"name": "w", "namespace": fresh_namespace},
             "spec": {"size": 3},
         }
     )
@@ -473,12 +475,12 @@ def test_table_for_crd_printer_columns(shared_client: EmulatorClient, test_names
         "widgets",
         "w",
         {"status": {"conditions": [{"type": "Other", "status": "False"}, {"type": "Ready", "status": "True"}]}},
-        namespace=test_namespace,
+        namespace=fresh_namespace,
         subresource="status",
     )
     table = shared_client.request(
         "GET",
-        f"/apis/{widgets}/namespaces/{test_namespace}/widgets",
+        f"/apis/{widgets}/namespaces/{fresh_namespace}/widgets",
         headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io"},
     )
     assert table["kind"] == "Table"
@@ -486,14 +488,14 @@ def test_table_for_crd_printer_columns(shared_client: EmulatorClient, test_names
     assert table["rows"][0]["cells"] == ["w", 3, "True"]
 
 
-def test_deployments_get_status_from_fake_controllers(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(deployment("ready", test_namespace, replicas=3))
-    held = deployment("held", test_namespace, replicas=2)
+def test_deployments_get_status_from_fake_controllers(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(deployment("ready", fresh_namespace, replicas=3))
+    held = deployment("held", fresh_namespace, replicas=2)
     held["metadata"]["annotations"] = {"emulator.splitserve.io/ready": "false"}
     shared_client.create(held)
 
     def status_of(name: str) -> dict[str, Any]:
-        return dict(shared_client.get(*DEPLOY, name, namespace=test_namespace).get("status") or {})
+        return dict(shared_client.get(*DEPLOY, name, namespace=fresh_namespace).get("status") or {})
 
     ready = wait_for(lambda: status_of("ready").get("readyReplicas") == 3 and status_of("ready"))
     assert ready["availableReplicas"] == 3 and ready["observedGeneration"] == 1
@@ -501,11 +503,11 @@ def test_deployments_get_status_from_fake_controllers(shared_client: EmulatorCli
     assert held_status.get("readyReplicas", 0) == 0
 
 
-def test_server_side_apply_creates_and_tracks_owners(shared_client: EmulatorClient, test_namespace: str) -> None:
+def test_server_side_apply_creates_and_tracks_owners(shared_client: EmulatorClient, fresh_namespace: str) -> None:
     response = shared_client.http.patch(
-        f"/apis/apps/v1/namespaces/{test_namespace}/deployments/d",
+        f"/apis/apps/v1/namespaces/{fresh_namespace}/deployments/d",
         params={"fieldManager": "operator"},
-        content=yaml.safe_dump(deployment("d", test_namespace)).encode(),
+        content=yaml.safe_dump(deployment("d", fresh_namespace)).encode(),
         headers={"Content-Type": "application/apply-patch+yaml"},
     )
     assert response.status_code == 201
@@ -514,13 +516,13 @@ def test_server_side_apply_creates_and_tracks_owners(shared_client: EmulatorClie
     assert "f:replicas" in managers["operator"]["fieldsV1"]["f:spec"]
 
 
-def test_watch_resumes_from_resource_version(shared_client: EmulatorClient, test_namespace: str) -> None:
-    first = shared_client.create(configmap("a", test_namespace))
-    shared_client.create(configmap("b", test_namespace))
-    shared_client.patch(*CM, "a", {"data": {"x": "y"}}, namespace=test_namespace)
+def test_watch_resumes_from_resource_version(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    first = shared_client.create(configmap("a", fresh_namespace))
+    shared_client.create(configmap("b", fresh_namespace))
+    shared_client.patch(*CM, "a", {"data": {"x": "y"}}, namespace=fresh_namespace)
     with shared_client.http.stream(
         "GET",
-        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
         params={"watch": "true", "resourceVersion": first["metadata"]["resourceVersion"], "timeoutSeconds": "1"},
     ) as response:
         assert response.headers["content-type"].startswith("application/json")
@@ -528,14 +530,14 @@ def test_watch_resumes_from_resource_version(shared_client: EmulatorClient, test
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "b"), ("MODIFIED", "a")]
 
 
-def test_watch_with_old_resource_version_is_410(shared_client: EmulatorClient, test_namespace: str) -> None:
-    first = shared_client.create(configmap("a", test_namespace))
-    shared_client.patch(*CM, "a", {"data": {"x": "y"}}, namespace=test_namespace)
+def test_watch_with_old_resource_version_is_410(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    first = shared_client.create(configmap("a", fresh_namespace))
+    shared_client.patch(*CM, "a", {"data": {"x": "y"}}, namespace=fresh_namespace)
     shared_client.compact()
 
     with shared_client.http.stream(
         "GET",
-        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
         params={"watch": "true", "resourceVersion": first["metadata"]["resourceVersion"], "timeoutSeconds": "1"},
     ) as response:
         events = [json.loads(line) for line in response.iter_lines() if line]

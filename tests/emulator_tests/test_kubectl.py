@@ -47,8 +47,8 @@ def client(shared_client: EmulatorClient) -> EmulatorClient:
 
 
 @pytest.fixture
-def namespace(test_namespace: str) -> str:
-    return test_namespace
+def namespace(fresh_namespace: str) -> str:
+    return fresh_namespace
 
 
 def test_apply_client_side_then_update(kubectl: Kubectl, client: EmulatorClient, namespace: str) -> None:

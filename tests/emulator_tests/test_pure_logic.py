@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.emulator import controllers, patching, selectors, tables
+from tests.emulator import controllers, patching, rbac, selectors, tables
 from tests.emulator.resources import PrinterColumn, ResourceInfo
 
 label_keys = st.sampled_from(["app", "tier", "zone", "team"])
@@ -202,3 +202,26 @@ def test_fake_controller_status(annotations: dict[str, str], ready: int) -> None
     assert status.get("readyReplicas", 0) == ready and status["replicas"] == 3
     assert status["observedGeneration"] == 4
     assert status["conditions"][0]["status"] == ("True" if ready == 3 else "False")
+
+
+def test_rbac_from_request_log() -> None:
+    records = [
+        {"user_agent": "kopf/1.45", "group": "apps", "resource": "deployments", "subresource": "", "verb": "watch"},
+        {"user_agent": "kopf/1.45", "group": "apps", "resource": "deployments", "subresource": "", "verb": "list"},
+        {
+            "user_agent": "kopf/1.45",
+            "group": "apps",
+            "resource": "deployments",
+            "subresource": "status",
+            "verb": "patch",
+        },
+        {"user_agent": "kopf/1.45", "group": "", "resource": "", "subresource": "", "verb": "get"},  # discovery
+        {"user_agent": "kubectl/v1.37", "group": "", "resource": "pods", "subresource": "", "verb": "delete"},
+    ]
+    used = rbac.used_permissions(records, user_agent_prefix="kopf")
+    assert rbac.as_rules(used) == [
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["list", "watch"]},
+        {"apiGroups": ["apps"], "resources": ["deployments/status"], "verbs": ["patch"]},
+    ]
+    role = [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["*"]}]
+    assert rbac.missing_permissions(used, role) == {rbac.Permission("apps", "deployments/status", "patch")}

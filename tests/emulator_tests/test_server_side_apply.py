@@ -24,47 +24,47 @@ def _get(client: EmulatorClient, namespace: str) -> dict[str, Any]:
     return client.get(*DEPLOY, "d", namespace=namespace)
 
 
-def test_apply_records_owner_of_replicas(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.apply(deployment("d", test_namespace, replicas=2), field_manager="operator")
-    assert managed_fields.owners_of(_get(shared_client, test_namespace), "spec.replicas") == ["operator"]
+def test_apply_records_owner_of_replicas(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.apply(deployment("d", fresh_namespace, replicas=2), field_manager="operator")
+    assert managed_fields.owners_of(_get(shared_client, fresh_namespace), "spec.replicas") == ["operator"]
 
 
 def test_scale_takes_replicas_and_reapply_without_them_leaves_them(
-    shared_client: EmulatorClient, test_namespace: str
+    shared_client: EmulatorClient, fresh_namespace: str
 ) -> None:
-    desired = deployment("d", test_namespace, replicas=2)
+    desired = deployment("d", fresh_namespace, replicas=2)
     shared_client.apply(desired, field_manager="operator")
     shared_client.patch(
-        *DEPLOY, "d", {"spec": {"replicas": 7}}, namespace=test_namespace, subresource="scale", field_manager="hpa"
+        *DEPLOY, "d", {"spec": {"replicas": 7}}, namespace=fresh_namespace, subresource="scale", field_manager="hpa"
     )
-    scaled = _get(shared_client, test_namespace)
+    scaled = _get(shared_client, fresh_namespace)
     assert managed_fields.owners_of(scaled, "spec.replicas") == ["hpa"]
 
     shared_client.apply(_without_replicas(desired), field_manager="operator")
-    after = _get(shared_client, test_namespace)
+    after = _get(shared_client, fresh_namespace)
     assert after["spec"]["replicas"] == 7
     assert managed_fields.owners_of(after, "spec.replicas") == ["hpa"]
 
 
-def test_reapply_without_a_solely_owned_field_removes_it(shared_client: EmulatorClient, test_namespace: str) -> None:
-    desired = deployment("d", test_namespace, replicas=2)
+def test_reapply_without_a_solely_owned_field_removes_it(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    desired = deployment("d", fresh_namespace, replicas=2)
     desired["metadata"]["labels"] = {"team": "a"}
     shared_client.apply(desired, field_manager="operator")
     desired["metadata"]["labels"] = {}
     shared_client.apply(desired, field_manager="operator")
-    assert "team" not in (_get(shared_client, test_namespace)["metadata"].get("labels") or {})
+    assert "team" not in (_get(shared_client, fresh_namespace)["metadata"].get("labels") or {})
 
 
 def test_apply_of_a_field_owned_by_another_manager_conflicts_unless_forced(
-    shared_client: EmulatorClient, test_namespace: str
+    shared_client: EmulatorClient, fresh_namespace: str
 ) -> None:
-    desired = deployment("d", test_namespace, replicas=2)
+    desired = deployment("d", fresh_namespace, replicas=2)
     shared_client.apply(desired, field_manager="operator")
     shared_client.apply(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": {"name": "d", "namespace": test_namespace},
+            "metadata": {"name": "d", "namespace": fresh_namespace},
             "spec": {"replicas": 5},
         },
         field_manager="autoscaler",
@@ -74,40 +74,40 @@ def test_apply_of_a_field_owned_by_another_manager_conflicts_unless_forced(
         shared_client.apply(desired, field_manager="operator")
     assert error.value.status_code == 409 and "autoscaler" in str(error.value.body["message"])
     shared_client.apply(desired, field_manager="operator", force=True)
-    forced = _get(shared_client, test_namespace)
+    forced = _get(shared_client, fresh_namespace)
     assert forced["spec"]["replicas"] == 2
     assert managed_fields.owners_of(forced, "spec.replicas") == ["operator"]
 
 
-def test_same_value_is_shared_ownership(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.apply(deployment("d", test_namespace, replicas=3), field_manager="operator")
+def test_same_value_is_shared_ownership(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.apply(deployment("d", fresh_namespace, replicas=3), field_manager="operator")
     shared_client.apply(
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": {"name": "d", "namespace": test_namespace},
+            "metadata": {"name": "d", "namespace": fresh_namespace},
             "spec": {"replicas": 3},
         },
         field_manager="other",
     )
-    assert sorted(managed_fields.owners_of(_get(shared_client, test_namespace), "spec.replicas")) == [
+    assert sorted(managed_fields.owners_of(_get(shared_client, fresh_namespace), "spec.replicas")) == [
         "operator",
         "other",
     ]
     # The operator drops replicas; the other manager still owns them, so they stay.
-    shared_client.apply(_without_replicas(deployment("d", test_namespace)), field_manager="operator")
-    assert _get(shared_client, test_namespace)["spec"]["replicas"] == 3
+    shared_client.apply(_without_replicas(deployment("d", fresh_namespace)), field_manager="operator")
+    assert _get(shared_client, fresh_namespace)["spec"]["replicas"] == 3
 
 
-def test_update_takes_ownership_from_appliers(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.apply(deployment("d", test_namespace, replicas=2), field_manager="operator")
-    shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 4}}, namespace=test_namespace, field_manager="human")
-    assert managed_fields.owners_of(_get(shared_client, test_namespace), "spec.replicas") == ["human"]
+def test_update_takes_ownership_from_appliers(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.apply(deployment("d", fresh_namespace, replicas=2), field_manager="operator")
+    shared_client.patch(*DEPLOY, "d", {"spec": {"replicas": 4}}, namespace=fresh_namespace, field_manager="human")
+    assert managed_fields.owners_of(_get(shared_client, fresh_namespace), "spec.replicas") == ["human"]
 
 
-def test_noop_apply_keeps_resource_version(shared_client: EmulatorClient, test_namespace: str) -> None:
-    first = shared_client.apply(deployment("d", test_namespace), field_manager="operator")
-    second = shared_client.apply(deployment("d", test_namespace), field_manager="operator")
+def test_noop_apply_keeps_resource_version(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    first = shared_client.apply(deployment("d", fresh_namespace), field_manager="operator")
+    second = shared_client.apply(deployment("d", fresh_namespace), field_manager="operator")
     assert second["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
 
 

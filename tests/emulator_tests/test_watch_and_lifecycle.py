@@ -23,15 +23,15 @@ def _watch(client: EmulatorClient, path: str, **params: str) -> list[dict[str, A
 
 
 def test_watch_with_selector_reports_objects_entering_and_leaving(
-    shared_client: EmulatorClient, test_namespace: str
+    shared_client: EmulatorClient, fresh_namespace: str
 ) -> None:
-    start = shared_client.create(configmap("a", test_namespace))
-    shared_client.patch("v1", "configmaps", "a", {"metadata": {"labels": {"pick": "me"}}}, namespace=test_namespace)
-    shared_client.patch("v1", "configmaps", "a", {"data": {"x": "1"}}, namespace=test_namespace)
-    shared_client.patch("v1", "configmaps", "a", {"metadata": {"labels": {"pick": None}}}, namespace=test_namespace)
+    start = shared_client.create(configmap("a", fresh_namespace))
+    shared_client.patch("v1", "configmaps", "a", {"metadata": {"labels": {"pick": "me"}}}, namespace=fresh_namespace)
+    shared_client.patch("v1", "configmaps", "a", {"data": {"x": "1"}}, namespace=fresh_namespace)
+    shared_client.patch("v1", "configmaps", "a", {"metadata": {"labels": {"pick": None}}}, namespace=fresh_namespace)
     events = _watch(
         shared_client,
-        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
         labelSelector="pick=me",
         resourceVersion=start["metadata"]["resourceVersion"],
         timeoutSeconds="1",
@@ -40,29 +40,32 @@ def test_watch_with_selector_reports_objects_entering_and_leaving(
 
 
 def test_watch_without_resource_version_lists_first_and_times_out(
-    shared_client: EmulatorClient, test_namespace: str
+    shared_client: EmulatorClient, fresh_namespace: str
 ) -> None:
-    shared_client.create(configmap("a", test_namespace))
+    shared_client.create(configmap("a", fresh_namespace))
     started = time.monotonic()
     events = _watch(
-        shared_client, f"/api/v1/namespaces/{test_namespace}/configmaps", timeoutSeconds="1", allowWatchBookmarks="true"
+        shared_client,
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
+        timeoutSeconds="1",
+        allowWatchBookmarks="true",
     )
     assert 0.9 <= time.monotonic() - started < 5
     assert [event["type"] for event in events] == ["ADDED", "BOOKMARK"]
     assert int(events[-1]["object"]["metadata"]["resourceVersion"]) > 0
 
 
-def test_watch_sees_live_events(shared_client: EmulatorClient, test_namespace: str) -> None:
+def test_watch_sees_live_events(shared_client: EmulatorClient, fresh_namespace: str) -> None:
     def later() -> None:
         time.sleep(0.3)
         with EmulatorClient(shared_client.base_url) as other:
-            other.create(configmap("live", test_namespace))
+            other.create(configmap("live", fresh_namespace))
 
     writer = threading.Thread(target=later)
     writer.start()
     events = _watch(
         shared_client,
-        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
         timeoutSeconds="2",
         resourceVersion=str(shared_client.request("GET", "/emulator/health")["resourceVersion"]),
     )
@@ -70,11 +73,11 @@ def test_watch_sees_live_events(shared_client: EmulatorClient, test_namespace: s
     assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "live")]
 
 
-def test_watch_initial_events_end_with_a_bookmark(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace))
+def test_watch_initial_events_end_with_a_bookmark(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace))
     events = _watch(
         shared_client,
-        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
         timeoutSeconds="1",
         sendInitialEvents="true",
         allowWatchBookmarks="true",
@@ -84,11 +87,11 @@ def test_watch_initial_events_end_with_a_bookmark(shared_client: EmulatorClient,
     assert events[1]["object"]["metadata"]["annotations"] == {"k8s.io/initial-events-end": "true"}
 
 
-def test_table_watch_for_kubectl(shared_client: EmulatorClient, test_namespace: str) -> None:
-    shared_client.create(configmap("a", test_namespace))
+def test_table_watch_for_kubectl(shared_client: EmulatorClient, fresh_namespace: str) -> None:
+    shared_client.create(configmap("a", fresh_namespace))
     with shared_client.http.stream(
         "GET",
-        f"/api/v1/namespaces/{test_namespace}/configmaps",
+        f"/api/v1/namespaces/{fresh_namespace}/configmaps",
         params={"watch": "true", "timeoutSeconds": "1"},
         headers={"Accept": "application/json;as=Table;v=v1;g=meta.k8s.io,application/json"},
     ) as response:
