@@ -29,7 +29,7 @@ fields = st.sampled_from(
 )  # fmt: skip
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=120, deadline=None)
 @given(st.dictionaries(fields, json_values, max_size=6), st.booleans())
 def test_any_body_parses_or_is_refused_with_4xx(body: dict[str, Any], chat: bool) -> None:
     try:
