@@ -55,7 +55,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--fail-status", type=int, default=None, help="answer every request with this status")
     faults.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
-    parser.add_argument("--log-level", default="WARNING")
+    parser.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="WARNING")
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -94,7 +94,7 @@ def _announce(worker: SimWorker) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    logging.basicConfig(level=args.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     config = config_from_args(args)
     problems = config.problems()
     if args.count < 1:
