@@ -321,12 +321,16 @@ class Flow:
             await response.prepare(http_request)
         except ConnectionResetError:
             raise ClientGone from None
-        tokens = count_streamed_tokens(first)
-        await _write(response, first)
-        last = now
         itl = metrics.itl
         content = upstream.content
+        chunk, last, tokens = first, now, 0
         while True:
+            tokens += count_streamed_tokens(chunk)
+            if content.at_eof():
+                # The upstream already ended: the last bytes and the end of the answer go in one write.
+                await _write_eof(response, chunk)
+                break
+            await _write(response, chunk)
             try:
                 chunk = await content.readany()
             except (aiohttp.ClientError, TimeoutError, OSError) as error:
@@ -336,20 +340,15 @@ class Flow:
                 log.warning("decode stream from %s broke for %s: %r", worker.url, ctx.request_id, error)
                 code = "decode_timeout" if isinstance(error, TimeoutError) else "decode_stream_interrupted"
                 message = f"The decode worker stopped mid-stream ({type(error).__name__})."
-                await _write(response, errors.upstream_failed(message, code).sse_event() + b"data: [DONE]\n\n")
+                await _write_eof(response, errors.upstream_failed(message, code).sse_event() + b"data: [DONE]\n\n")
                 break
             if not chunk:
+                await _write_eof(response, b"")
                 break
             now = time.monotonic()
             itl.observe(now - last)
             last = now
-            tokens += count_streamed_tokens(chunk)
-            await _write(response, chunk)
         metrics.output_tokens.observe(max(0, tokens))
-        try:
-            await response.write_eof()
-        except ConnectionResetError:
-            raise ClientGone from None
         return response
 
 
@@ -360,6 +359,13 @@ class ClientGone(Exception):
 async def _write(response: web.StreamResponse, data: bytes) -> None:
     try:
         await response.write(data)
+    except ConnectionResetError:
+        raise ClientGone from None
+
+
+async def _write_eof(response: web.StreamResponse, data: bytes) -> None:
+    try:
+        await response.write_eof(data)
     except ConnectionResetError:
         raise ClientGone from None
 

@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterable
 
 import aiohttp
+from prometheus_client import Gauge
 
 from splitserve.router import errors
 from splitserve.router.metrics import RouterMetrics
@@ -51,7 +52,7 @@ class AdmissionBudget:
 class Worker:
     """One upstream worker: its connection pool and what the router knows about it."""
 
-    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession, inflight_gauge: Gauge) -> None:
         self.url = url.rstrip("/")
         self.pool = pool
         self.session = session
@@ -63,6 +64,7 @@ class Worker:
         self.removed = False
         self.kv_usage: float | None = None
         self.waiting: float | None = None
+        self.inflight_gauge = inflight_gauge
 
     @property
     def key(self) -> str:
@@ -122,6 +124,7 @@ class WorkerPool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
         self.inflight = 0
+        self._inflight_gauge = metrics.inflight.labels(name)
         self._publish_states()
 
     # ---- membership -------------------------------------------------------------------------
@@ -149,7 +152,8 @@ class WorkerPool:
         for url in ready_set | terminating_set:
             worker = self._workers.get(url)
             if worker is None:
-                worker = Worker(url, self.name, self._new_session())
+                gauge = self._metrics.worker_inflight.labels(self.name, url)
+                worker = Worker(url, self.name, self._new_session(), gauge)
                 self._workers[url] = worker
                 log.info("%s worker added: %s", self.name, url)
             if url in terminating_set:
@@ -213,8 +217,8 @@ class WorkerPool:
         worker = self.policy.choose(candidates, request)
         worker.inflight += 1
         self.inflight += 1
-        self._metrics.worker_inflight.labels(self.name, worker.url).set(worker.inflight)
-        self._metrics.inflight.labels(self.name).set(self.inflight)
+        worker.inflight_gauge.set(worker.inflight)
+        self._inflight_gauge.set(self.inflight)
         return worker
 
     async def acquire(self, request: RoutingRequest, deadline: float, exclude: frozenset[str] = frozenset()) -> Worker:
@@ -257,13 +261,13 @@ class WorkerPool:
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
         self.inflight -= 1
-        self._metrics.inflight.labels(self.name).set(self.inflight)
+        self._inflight_gauge.set(self.inflight)
         if worker.removed:
             if worker.inflight == 0:
                 self._forget_worker_gauge(worker.url)
                 self._close_later(worker)
         else:
-            self._metrics.worker_inflight.labels(self.name, worker.url).set(worker.inflight)
+            worker.inflight_gauge.set(worker.inflight)
         self._wake(all_waiters=False)
 
     def _wake(self, all_waiters: bool) -> None:

@@ -1,0 +1,397 @@
+"""Router benchmark: added latency and per-core throughput vs vllm-router, and a policy comparison.
+
+    python benchmarks/router/bench.py overhead [--rate 200] [--seconds 10] [--vllm-router PATH]
+    python benchmarks/router/bench.py policies [--seconds 20]
+
+``overhead`` starts zero-model-time fake workers (fake_worker.py: 2 prefill + 2 decode) on core 0,
+each router under test alone on core 1 (``taskset -c 1``) and drives it from this process on core 0:
+  * latency: open loop at ``--rate`` req/s of streaming completions; TTFT and end-to-end p50/p99,
+    compared with sending the same request straight to a decode worker (no router);
+  * throughput: closed loop at ``--concurrency``; the achieved req/s and the router's own CPU time
+    per request (from /proc), whence its capacity per core = 1 / CPU-seconds per request. The CPU
+    figure is the fair one on a 2-core machine, where the load generator may saturate first.
+``policies`` runs the engine simulator (``splitserve sim-worker``: 4 prefill + 2 decode with prefix
+caching) under a shared-system-prompt workload and compares prefill TTFT for round-robin vs
+prefix-aware prefill routing. Results print as a Markdown table and go to ``results-<mode>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import random
+import shutil
+import signal
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import aiohttp
+
+HERE = Path(__file__).resolve().parent
+CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+LOG_DIR = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/splitserve-router-bench"))
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a process (all its threads) from /proc."""
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    ordered = sorted(values)
+    if not ordered:
+        return float("nan")
+    index = min(len(ordered) - 1, max(0, round(q / 100 * (len(ordered) - 1))))
+    return ordered[index]
+
+
+def start(argv: list[str], core: int | None) -> subprocess.Popen[bytes]:
+    prefix = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+    log = open(LOG_DIR / f"{Path(argv[0]).name}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 - lives with the process
+    return subprocess.Popen(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(10)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait()
+
+
+async def wait_ready(url: str, body: dict[str, object], seconds: float = 60.0) -> None:
+    deadline = time.monotonic() + seconds
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as session:
+        while True:
+            try:
+                async with session.post(url + "/v1/completions", json=body) as response:
+                    await response.read()
+                    if response.status == 200:
+                        return
+            except (aiohttp.ClientError, TimeoutError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{url} did not answer within {seconds}s")
+            await asyncio.sleep(0.2)
+
+
+@dataclass
+class Latencies:
+    ttft: list[float] = field(default_factory=list)
+    e2e: list[float] = field(default_factory=list)
+    errors: int = 0
+
+
+async def one_request(session: aiohttp.ClientSession, url: str, body: dict[str, object], into: Latencies) -> None:
+    started = time.perf_counter()
+    try:
+        async with session.post(url + "/v1/completions", json=body) as response:
+            first = await response.content.readany()
+            ttft = time.perf_counter() - started
+            rest = await response.read()
+            if response.status != 200 or not (first + rest).rstrip().endswith(b"[DONE]"):
+                into.errors += 1
+                return
+    except aiohttp.ClientError:
+        into.errors += 1
+        return
+    into.ttft.append(ttft)
+    into.e2e.append(time.perf_counter() - started)
+
+
+async def open_loop(url: str, rate: float, seconds: float, body: dict[str, object]) -> Latencies:
+    """Requests sent on a fixed schedule, whatever the answers do (no coordinated omission)."""
+    result = Latencies()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        tasks = []
+        begin = time.perf_counter()
+        for i in range(int(rate * seconds)):
+            delay = begin + i / rate - time.perf_counter()
+            if delay > 0:
+                await asyncio.sleep(delay)
+            tasks.append(asyncio.create_task(one_request(session, url, body, result)))
+        await asyncio.gather(*tasks)
+    return result
+
+
+async def closed_loop(url: str, concurrency: int, seconds: float, body: dict[str, object]) -> tuple[int, float]:
+    result = Latencies()
+    connector = aiohttp.TCPConnector(limit=0)
+    async with aiohttp.ClientSession(connector=connector) as session:
+        end = time.perf_counter() + seconds
+
+        async def user() -> None:
+            while time.perf_counter() < end:
+                await one_request(session, url, body, result)
+
+        begin = time.perf_counter()
+        await asyncio.gather(*(user() for _ in range(concurrency)))
+        elapsed = time.perf_counter() - begin
+    return len(result.e2e), elapsed
+
+
+@dataclass
+class Row:
+    target: str
+    ttft_p50_ms: float
+    ttft_p99_ms: float
+    e2e_p50_ms: float
+    e2e_p99_ms: float
+    errors: int
+    saturation_rps: float = float("nan")
+    router_cpu_util: float = float("nan")
+    cpu_us_per_request: float = float("nan")
+    capacity_per_core_rps: float = float("nan")
+
+
+async def measure(name: str, url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object]) -> Row:
+    await wait_ready(url, body)
+    await open_loop(url, args.rate, 2, body)  # warm connection pools and caches
+    lat = await open_loop(url, args.rate, args.seconds, body)
+    row = Row(
+        name,
+        percentile(lat.ttft, 50) * 1e3,
+        percentile(lat.ttft, 99) * 1e3,
+        percentile(lat.e2e, 50) * 1e3,
+        percentile(lat.e2e, 99) * 1e3,
+        lat.errors,
+    )
+    if pid is not None:
+        cpu_before = cpu_seconds(pid)
+        done, elapsed = await closed_loop(url, args.concurrency, args.seconds, body)
+        cpu = cpu_seconds(pid) - cpu_before
+        row.saturation_rps = done / elapsed
+        row.router_cpu_util = cpu / elapsed
+        row.cpu_us_per_request = cpu / max(1, done) * 1e6
+        row.capacity_per_core_rps = done / max(cpu, 1e-9)
+    print(f"  {name}: {row}", file=sys.stderr, flush=True)
+    return row
+
+
+async def overhead(args: argparse.Namespace) -> list[Row]:
+    base = free_port()
+    while any(_port_busy(base + i) for i in range(4)):
+        base = free_port()
+    workers = start([sys.executable, str(HERE / "fake_worker.py"), "--port", str(base), "--count", "4"], core=0)
+    prefill = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
+    decode = [f"http://127.0.0.1:{base + 2}", f"http://127.0.0.1:{base + 3}"]
+    body: dict[str, object] = {
+        "model": "m",
+        "prompt": "Say something about routers. " * 4,
+        "max_tokens": 8,
+        "stream": True,
+    }
+    rows: list[Row] = []
+    try:
+        rows.append(await measure("direct to a decode worker (no router)", decode[0], None, args, body))
+        for policy in args.splitserve_policies:
+            port = free_port()
+            argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+                    "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
+                    "--log-level", "warning"]  # fmt: skip
+            router = start(argv, core=1)
+            try:
+                rows.append(
+                    await measure(f"splitserve router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
+                )
+            finally:
+                stop(router)
+        if args.vllm_router:
+            for policy in args.vllm_router_policies:
+                port = free_port()
+                argv = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                        "--prefill", *prefill, "--decode", *decode, "--policy", policy,
+                        "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+                # One flag per URL, as vllm-router wants it (--prefill URL [BOOTSTRAP_PORT]).
+                argv = _one_flag_per_url(_one_flag_per_url(argv, "--prefill", prefill), "--decode", decode)
+                router = start(argv, core=1)
+                try:
+                    rows.append(
+                        await measure(f"vllm-router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
+                    )
+                finally:
+                    stop(router)
+    finally:
+        stop(workers)
+    return rows
+
+
+def _one_flag_per_url(argv: list[str], flag: str, urls: list[str]) -> list[str]:
+    at = argv.index(flag)
+    rest = argv[at + 1 + len(urls) :]
+    return argv[:at] + [part for url in urls for part in (flag, url)] + rest
+
+
+def _port_busy(port: int) -> bool:
+    with socket.socket() as sock:
+        return sock.connect_ex(("127.0.0.1", port)) == 0
+
+
+def overhead_table(rows: list[Row], rate: float) -> str:
+    direct = rows[0]
+    lines = [
+        f"| target | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | added e2e p50 / p99 at {rate:g} req/s (ms) | "
+        "errors | closed-loop req/s | router CPU | CPU µs / request | capacity per core (req/s) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for row in rows:
+        added = f"{row.e2e_p50_ms - direct.e2e_p50_ms:+.2f} / {row.e2e_p99_ms - direct.e2e_p99_ms:+.2f}"
+        lines.append(
+            f"| {row.target} | {row.ttft_p50_ms:.2f} / {row.ttft_p99_ms:.2f} "
+            f"| {row.e2e_p50_ms:.2f} / {row.e2e_p99_ms:.2f} "
+            f"| {added if row is not direct else '—'} | {row.errors} | {row.saturation_rps:.0f} | "
+            f"{row.router_cpu_util * 100:.0f}% | {row.cpu_us_per_request:.0f} | {row.capacity_per_core_rps:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+# ---- policy comparison on the simulator ---------------------------------------------------------
+
+SYSTEM_WORDS = ["policy", "cluster", "tenant", "request", "budget", "prompt", "answer", "engine", "cache", "block", "token", "model"]
+
+
+def system_prompt(group: int, words: int) -> str:
+    rng = random.Random(group)
+    return f"System prompt {group}: " + " ".join(rng.choice(SYSTEM_WORDS) for _ in range(words)) + "."
+
+
+async def policies(args: argparse.Namespace) -> list[dict[str, object]]:
+    results: list[dict[str, object]] = []
+    for policy in ("round-robin", "prefix-aware"):
+        prefill_port, decode_port = free_port(), free_port()
+        common = ["--profile", "cpu-tiny", "--time-scale", str(args.time_scale), "--log-level", "ERROR"]
+        prefill = start([sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "prefill", "--count", "4",
+                         "--port", str(prefill_port), *common], core=0)  # fmt: skip
+        decode = start([sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "decode", "--count", "2",
+                        "--port", str(decode_port + 10), *common], core=0)  # fmt: skip
+        port = free_port()
+        prefill_urls = ",".join(f"http://127.0.0.1:{prefill_port + i}" for i in range(4))
+        decode_urls = ",".join(f"http://127.0.0.1:{decode_port + 10 + i}" for i in range(2))
+        router = start([sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+                        "--prefill", prefill_urls, "--decode", decode_urls, "--prefill-policy", policy,
+                        "--decode-policy", "least-loaded", "--model", "sim-model", "--log-level", "warning"],
+                       core=1)  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        try:
+            await wait_ready(url, {"model": "sim-model", "prompt": "warm up", "max_tokens": 1, "stream": True})
+            rng = random.Random(1)
+            prompts = [system_prompt(g, args.system_words) for g in range(args.groups)]
+            lat = Latencies()
+            connector = aiohttp.TCPConnector(limit=0)
+            async with aiohttp.ClientSession(connector=connector) as session:
+                tasks = []
+                begin = time.perf_counter()
+                for i in range(int(args.rate * args.seconds)):
+                    delay = begin + i / args.rate - time.perf_counter()
+                    if delay > 0:
+                        await asyncio.sleep(delay)
+                    group = rng.randrange(args.groups)
+                    body = {"model": "sim-model", "prompt": f"{prompts[group]} User {i} asks: what about item {i}?",
+                            "max_tokens": 4, "stream": True}  # fmt: skip
+                    tasks.append(asyncio.create_task(one_request(session, url, body, lat)))
+                await asyncio.gather(*tasks)
+            hits, queries = 0.0, 0.0
+            async with aiohttp.ClientSession() as session:
+                for i in range(4):
+                    async with session.get(f"http://127.0.0.1:{prefill_port + i}/metrics") as response:
+                        for line in (await response.text()).splitlines():
+                            if line.startswith("vllm:prefix_cache_hits_total"):
+                                hits += float(line.rsplit(" ", 1)[1])
+                            elif line.startswith("vllm:prefix_cache_queries_total"):
+                                queries += float(line.rsplit(" ", 1)[1])
+            result: dict[str, object] = {
+                "prefill_policy": policy,
+                "requests": len(lat.e2e),
+                "errors": lat.errors,
+                "ttft_mean_ms": statistics.fmean(lat.ttft) * 1e3 if lat.ttft else float("nan"),
+                "ttft_p50_ms": percentile(lat.ttft, 50) * 1e3,
+                "ttft_p99_ms": percentile(lat.ttft, 99) * 1e3,
+                "prefix_cache_hit_rate": hits / queries if queries else float("nan"),
+            }
+            print(f"  {result}", file=sys.stderr, flush=True)
+            results.append(result)
+        finally:
+            for process in (router, prefill, decode):
+                stop(process)
+    return results
+
+
+def policies_table(results: list[dict[str, object]]) -> str:
+    lines = [
+        "| prefill policy | requests | errors | TTFT mean (ms) | TTFT p50 (ms) | TTFT p99 (ms) "
+        "| prefill prefix-cache hit rate |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for r in results:
+        lines.append(
+            f"| {r['prefill_policy']} | {r['requests']} | {r['errors']} "
+            f"| {r['ttft_mean_ms']:.1f} | {r['ttft_p50_ms']:.1f} "
+            f"| {r['ttft_p99_ms']:.1f} | {float(r['prefix_cache_hit_rate']):.0%} |"  # type: ignore[arg-type]
+        )
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="mode", required=True)
+    over = sub.add_parser("overhead")
+    over.add_argument("--rate", type=float, default=200.0)
+    over.add_argument("--seconds", type=float, default=10.0)
+    over.add_argument("--concurrency", type=int, default=64)
+    over.add_argument("--splitserve-policies", nargs="+", default=["round-robin", "prefix-aware"])
+    over.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary")
+    over.add_argument(
+        "--vllm-router-policies",
+        nargs="+",
+        default=["round_robin"],
+        help="cache_aware needs the workers' /v1/completions/render, which the fake workers do not have",
+    )
+    pol = sub.add_parser("policies")
+    pol.add_argument("--rate", type=float, default=40.0)
+    pol.add_argument("--seconds", type=float, default=20.0)
+    pol.add_argument("--groups", type=int, default=8, help="distinct shared system prompts")
+    pol.add_argument("--system-words", type=int, default=1500)
+    pol.add_argument("--time-scale", type=float, default=1.0)
+    args = parser.parse_args()
+    LOG_DIR.mkdir(parents=True, exist_ok=True)
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+        os.sched_setaffinity(0, {0})  # the load generator stays off the router's core
+    try:
+        import uvloop
+
+        factory: Callable[[], asyncio.AbstractEventLoop] | None = uvloop.new_event_loop
+    except ImportError:
+        factory = None
+    with asyncio.Runner(loop_factory=factory) as runner:
+        run = runner.run
+        if args.mode == "overhead":
+            rows = run(overhead(args))
+            table = overhead_table(rows, args.rate)
+            (HERE / "results-overhead.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+        else:
+            results = run(policies(args))
+            table = policies_table(results)
+            (HERE / "results-policies.json").write_text(json.dumps(results, indent=2))
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
