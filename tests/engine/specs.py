@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from hypothesis import strategies as st
+
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
 
 ALL_CONNECTORS = list(Connector)

@@ -8,6 +8,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
 from splitserve.builders.vllm_args import (
     CPU_DEFAULT_KV_CACHE_BYTES,
@@ -17,7 +18,6 @@ from splitserve.builders.vllm_args import (
     model_location,
     role_pool,
 )
-
 from tests.engine.specs import ALL_ROLES, make_spec, specs
 
 # Flags the builder emits with a value; all others it emits are bare switches.

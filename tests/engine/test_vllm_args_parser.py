@@ -8,9 +8,9 @@ import itertools
 from typing import Any
 
 import pytest
+
 from splitserve.api.spec import Connector, Role
 from splitserve.builders.vllm_args import build_engine_launch
-
 from tests.engine.specs import ALL_CONNECTORS, ALL_ROLES, make_spec
 
 pytestmark = [

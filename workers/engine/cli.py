@@ -1,0 +1,132 @@
+"""`splitserve worker`: the worker containers' entrypoint; runs one vLLM engine for a role.
+
+    splitserve worker --role prefill -f deployment.yaml [--port N] [--model PATH] [--cpu]
+    splitserve worker --role decode -- --model /models/llama --port 8000 ...
+
+With -f the vLLM arguments are built from an InferenceDeployment file (the same builder the operator
+uses); after `--` they are the arguments the operator rendered into the pod. Settings that would make
+vLLM fail are reported as one line before it starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import sys
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import ValidationError
+
+from splitserve.api.base import KIND
+from splitserve.api.spec import InferenceDeploymentSpec, Role
+from splitserve.builders.vllm_args import CPU_DEFAULT_KV_CACHE_BYTES, build_engine_launch
+from splitserve.engine.launcher import (
+    LaunchError,
+    LaunchPlan,
+    adapt_args_for_cpu,
+    engine_environment,
+    preflight,
+    run_engine,
+    with_option,
+)
+
+PROG = "splitserve worker"
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.usage = "%(prog)s --role ROLE (-f SPEC.yaml | -- VLLM_ARGS...) [options]"
+    parser.add_argument("--role", required=True, choices=[role.value for role in Role], help="what this engine does")
+    parser.add_argument("-f", "--file", help="InferenceDeployment YAML to build the vLLM arguments from")
+    parser.add_argument("--port", type=int, help="HTTP port (default: the spec's engine.port, or vLLM's)")
+    parser.add_argument("--model", help="load the model from here instead of the spec's model.source")
+    parser.add_argument("--cpu", action="store_true", help="run on vLLM-CPU (eager, float32, 1 OpenMP thread)")
+    parser.add_argument(
+        "--kv-cache-bytes",
+        help=f"KV cache size, e.g. 256M or 1G (--kv-cache-memory-bytes; --cpu default {CPU_DEFAULT_KV_CACHE_BYTES})",
+    )
+    parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
+    parser.add_argument("vllm_args", nargs="*", metavar="VLLM_ARGS", help="vLLM server arguments after --")
+
+
+class SpecFileError(Exception):
+    pass
+
+
+def _first_error(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(part) for part in first["loc"])
+    return f"{where}: {first['msg']}" if where else first["msg"]
+
+
+def load_spec(path: str) -> InferenceDeploymentSpec:
+    """The spec of the InferenceDeployment in a YAML file (a whole object, or just its spec)."""
+    try:
+        documents = [doc for doc in yaml.safe_load_all(Path(path).read_text(encoding="utf-8")) if doc is not None]
+    except OSError as error:
+        raise SpecFileError(f"{path}: cannot read: {error.strerror}") from error
+    except yaml.YAMLError as error:
+        raise SpecFileError(f"{path}: not valid YAML: {str(error).splitlines()[0]}") from error
+    candidates: list[Any] = [doc for doc in documents if isinstance(doc, dict) and doc.get("kind") == KIND]
+    if not candidates:
+        candidates = [doc for doc in documents if isinstance(doc, dict) and "model" in doc]  # a bare spec
+    if not candidates:
+        raise SpecFileError(f"{path}: no {KIND} in the file")
+    document = candidates[0]
+    wire = document.get("spec", {}) if document.get("kind") == KIND else document
+    try:
+        return InferenceDeploymentSpec.model_validate(wire)
+    except ValidationError as error:
+        raise SpecFileError(f"{path}: invalid {KIND}: {_first_error(error)}") from error
+
+
+def build_plan(args: argparse.Namespace, environ: dict[str, str]) -> LaunchPlan:
+    role = Role(args.role)
+    if args.file and args.vllm_args:
+        raise LaunchError("give either -f SPEC.yaml or vLLM arguments after --, not both")
+    if args.file:
+        spec = load_spec(args.file)
+        try:
+            launch = build_engine_launch(
+                spec, role, port=args.port, model=args.model, cpu=args.cpu, kv_cache_memory_bytes=args.kv_cache_bytes
+            )
+        except ValueError as error:
+            raise LaunchError(f"{args.file}: {error}") from error
+        vllm_args, launch_env = launch.args, launch.env
+    elif args.vllm_args:
+        vllm_args = list(args.vllm_args)
+        if args.port is not None:
+            vllm_args = with_option(vllm_args, "--port", str(args.port))
+        if args.model is not None:
+            vllm_args = with_option(vllm_args, "--model", args.model)
+        if args.cpu:
+            vllm_args = adapt_args_for_cpu(vllm_args, args.kv_cache_bytes, CPU_DEFAULT_KV_CACHE_BYTES)
+        elif args.kv_cache_bytes is not None:
+            vllm_args = with_option(vllm_args, "--kv-cache-memory-bytes", args.kv_cache_bytes)
+        launch_env = {}
+    else:
+        raise LaunchError("nothing to run: give -f SPEC.yaml or vLLM arguments after --")
+    return LaunchPlan(role=role, vllm_args=vllm_args, env=engine_environment(environ, launch_env, cpu=args.cpu))
+
+
+def _changed_env(plan: LaunchPlan, environ: dict[str, str]) -> dict[str, str]:
+    return {name: value for name, value in plan.env.items() if environ.get(name) != value}
+
+
+def run(args: argparse.Namespace) -> int:
+    environ = dict(os.environ)
+    try:
+        plan = build_plan(args, environ)
+        if args.dry_run:
+            for name, value in sorted(_changed_env(plan, environ).items()):
+                print(f"{name}={shlex.quote(value)}")
+            print(shlex.join(plan.argv))
+            return 0
+        preflight(plan)
+    except (LaunchError, SpecFileError) as error:
+        print(f"{PROG}: error: {error}", file=sys.stderr)
+        return 1
+    print(f"{PROG}: starting vLLM ({plan.role}) on port {plan.port}: {shlex.join(plan.argv)}", file=sys.stderr)
+    return run_engine(plan)

