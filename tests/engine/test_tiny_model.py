@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -47,8 +48,8 @@ def test_same_seed_same_files_and_loadable(tmp_path: Path, monkeypatch: pytest.M
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
-    model = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"))
+    tokenizer: Any = AutoTokenizer.from_pretrained(str(tmp_path / "a"))
+    model: Any = AutoModelForCausalLM.from_pretrained(str(tmp_path / "a"))
     assert len(tokenizer) == VOCAB_SIZE == model.config.vocab_size
     assert model.config.hidden_size // model.config.num_attention_heads == 32  # CPU attention supports it
     chat = tokenizer.apply_chat_template(
