@@ -79,6 +79,7 @@ def test_json_output_is_stable_and_documented(llama70: Path, capsys: pytest.Capt
         ]  # fmt: skip
         assert finding["status"] in {"ok", "recommend", "problem", "unknown"}
         assert all(set(e) == {"text", "source"} for e in finding["evidence"])
+    assert document["model"]["parameterCount"] == 70_552_387_584
     fit = findings[0]
     assert fit["key"] == "hardware-fit" and fit["status"] == "problem"
     assert fit["patch"]["model"] == {"quantization": "fp8"}

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
+from splitserve.diagnosis.findings import fmt_value
 from splitserve.diagnosis.model_facts import KvShape, ModelFacts
 from splitserve.diagnosis.questions import (
     disaggregation,
@@ -16,6 +17,7 @@ from splitserve.diagnosis.questions import (
     output_variance,
     per_token_latency,
     prompt_redundancy,
+    traffic_needs,
 )
 from splitserve.diagnosis.sizing import histogram_cv
 from splitserve.diagnosis.telemetry import Reading, Telemetry
@@ -340,3 +342,25 @@ def test_disaggregation_without_telemetry_or_traffic(make_spec: SpecFactory, mak
     assert disaggregation(make_input(make_spec())).verdict.startswith("no telemetry:")
     idle = disaggregation(make_input(make_spec(), telemetry=tel(request_rate=0.0), facts=FACTS_8B))
     assert idle.verdict == "no traffic in the window"
+
+
+def test_kv_pressure_sizes_decode_by_traffic_when_it_is_known(make_spec: SpecFactory, make_input: InputFactory) -> None:
+    busy = tel(
+        preemptions_rate=1.0,
+        request_rate=50.0,
+        prompt_tokens_rate=50 * 300.0,
+        generation_tokens_rate=50 * 800.0,
+    )
+    inp = make_input(make_spec(), telemetry=busy, facts=FACTS_8B)
+    needs = traffic_needs(inp)
+    assert needs is not None and needs[1] > 3
+    result = kv_pressure(inp)
+    assert result.patch == {"decode": {"replicas": math.ceil(needs[1]), "maxReplicas": math.ceil(needs[1])}}
+    assert "traffic needs" in result.recommendation
+
+
+@pytest.mark.parametrize(
+    ("value", "text"), [(None, "no data"), (0.0123, "0.0123"), (99.5, "99.5"), (20_000.0, "20,000"), (1234.6, "1,235")]
+)
+def test_numbers_are_shown_for_people(value: float | None, text: str) -> None:
+    assert fmt_value(value) == text

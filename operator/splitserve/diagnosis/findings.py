@@ -162,5 +162,10 @@ def prom_source(reading: Reading) -> str:
     return f"prometheus: {reading.query}"
 
 
-def fmt_value(value: float | None, fmt: str = "{:.3g}") -> str:
-    return "no data" if value is None else fmt.format(value)
+def fmt_value(value: float | None, fmt: str = "") -> str:
+    """A number for people: 'no data' for None; 12,345 above 100, three significant digits below."""
+    if value is None:
+        return "no data"
+    if fmt:
+        return fmt.format(value)
+    return f"{value:,.0f}" if abs(value) >= 100 else f"{value:.3g}"

@@ -217,7 +217,7 @@ def model_facts(
         count, source = guessed, "model name (size guessed from the name)"
     shape = heuristic_kv_shape(count)
     kv_source = (
-        f"heuristic for a {count / 1e9:.3g}B model "
+        f"heuristic for {count / 1e9:.3g}B parameters "
         f"({shape.layers} layers x {shape.kv_heads} KV heads x {shape.head_dim})"
     )
     return ModelFacts(count, source, shape, kv_source, config_note=note)

@@ -395,7 +395,7 @@ def kv_pressure(inp: DiagnosisInput) -> QuestionResult:
         verdict = "KV pressure: " + ", ".join(signs)
         if settings_patch is not None:
             return answer(4, "problem", verdict, tuple(evidence), "; ".join(settings_why), settings_patch)
-        recommendation, patch = _more_decode_replicas(spec)
+        recommendation, patch = _more_decode_replicas(inp)
         return answer(4, "problem", verdict, tuple(evidence), recommendation, patch)
     if usage.value is not None and usage.value >= target:
         return answer(
@@ -407,18 +407,23 @@ def kv_pressure(inp: DiagnosisInput) -> QuestionResult:
     return answer(4, "ok", "no KV pressure: no preemptions or capacity waits", tuple(evidence))
 
 
-def _more_decode_replicas(spec: InferenceDeploymentSpec) -> tuple[str, Patch]:
-    decode = spec.decode
+def _more_decode_replicas(inp: DiagnosisInput) -> tuple[str, Patch]:
+    """One more decode replica, or as many as the observed traffic needs when that is more."""
+    spec, decode = inp.spec, inp.spec.decode
+    needs = traffic_needs(inp)
+    needed = math.ceil(needs[1]) if needs is not None else 0
     if spec.autoscaling.enabled:
+        ceiling = max(decode.max_replicas + 1, needed)
         return (
             f"add decode capacity: the autoscaler is capped at decode.maxReplicas {decode.max_replicas}",
-            {"decode": {"maxReplicas": decode.max_replicas + 1}},
+            {"decode": {"maxReplicas": ceiling}},
         )
-    replicas = decode.replicas + 1
+    replicas = max(decode.replicas + 1, needed)
     patch: Patch = {"decode": {"replicas": replicas}}
     if replicas > decode.max_replicas:
         patch["decode"]["maxReplicas"] = replicas
-    return f"add a decode replica ({decode.replicas} -> {replicas})", patch
+    why = f"; traffic needs {needs[1]:.1f}" if needs is not None and needed > decode.replicas + 1 else ""
+    return f"add decode replicas ({decode.replicas} -> {replicas}{why})", patch
 
 
 # --------------------------------------------------------------------------- 5. per-token latency
@@ -472,7 +477,7 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             turn_on,
         )
     if over:
-        recommendation, patch = _lower_decode_batch(spec, itl.value, slo)
+        recommendation, patch = _lower_decode_batch(inp, itl.value, slo)
         return answer(
             5,
             "problem",
@@ -485,7 +490,8 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
     return answer(5, "ok", f"ITL p90 {itl.value * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO", tuple(evidence))
 
 
-def _lower_decode_batch(spec: InferenceDeploymentSpec, itl: float, slo: float) -> tuple[str, Patch]:
+def _lower_decode_batch(inp: DiagnosisInput, itl: float, slo: float) -> tuple[str, Patch]:
+    spec = inp.spec
     if spec.autoscaling.enabled:
         current = spec.autoscaling.decode.running_per_replica
         target = max(1.0, math.floor(current * slo / itl))
@@ -493,7 +499,7 @@ def _lower_decode_batch(spec: InferenceDeploymentSpec, itl: float, slo: float) -
             f"scale decode on a smaller batch: runningPerReplica {current:g} -> {target:g}",
             {"autoscaling": {"decode": {"runningPerReplica": target}}},
         )
-    return _more_decode_replicas(spec)
+    return _more_decode_replicas(inp)
 
 
 # --------------------------------------------------------------------------- 6. disaggregation and scale

@@ -122,7 +122,7 @@ def to_json_document(
             for pool, choice in inp.gpus.items()
         },
         "model": {
-            "parameterCount": facts.parameter_count,
+            "parameterCount": None if facts.parameter_count is None else round(facts.parameter_count),
             "parameterSource": facts.parameter_source,
             "kvSource": facts.kv_source,
             "configNote": facts.config_note,
