@@ -8,6 +8,7 @@ import copy
 import dataclasses
 import json
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,13 @@ class ObjectStore:
         self._objects: dict[str, dict[ObjectKey, dict[str, Any]]] = collections.defaultdict(dict)
         self._history: collections.deque[StoredEvent] = collections.deque(maxlen=history_limit)
         self._subscribers: set[asyncio.Queue[StoredEvent]] = set()
-        self._resource_version = 0
+        # Seeded from the clock, so a restarted (emptied) emulator never reuses the resourceVersions a
+        # client still holds: resuming a watch from one answers 410 Gone and the client re-lists, as after an
+        # etcd compaction. (Starting from 0 would make old versions look like future ones.)
+        self._resource_version = int(time.time() * 1000)
         self._state_file = state_file
         # The oldest resourceVersion a watch may resume from; older ones answer 410 Gone.
-        self._compacted_at = 0
+        self._compacted_at = self._resource_version
 
     @property
     def resource_version(self) -> int:
@@ -104,8 +108,11 @@ class ObjectStore:
         self._subscribers.discard(queue)
 
     def events_after(self, resource_version: int) -> list[StoredEvent] | None:
-        """Events newer than resource_version, or None when the history no longer reaches back there."""
-        if resource_version < self._compacted_at:
+        """Events newer than resource_version, or None when the history no longer reaches back there.
+
+        A version newer than the newest one (a client that saw another server's history) is as unusable.
+        """
+        if resource_version < self._compacted_at or resource_version > self._resource_version:
             return None
         return [event for event in self._history if event.resource_version > resource_version]
 
@@ -130,7 +137,7 @@ class ObjectStore:
         if self._state_file is None or not self._state_file.exists():
             return
         snapshot = json.loads(self._state_file.read_text())
-        self._resource_version = int(snapshot.get("resourceVersion", 0))
+        self._resource_version = max(self._resource_version, int(snapshot.get("resourceVersion", 0)))
         self._compacted_at = self._resource_version
         for resource_key, objects in snapshot.get("objects", {}).items():
             for obj in objects:

@@ -31,14 +31,13 @@ def persistent_emulator(tmp_path: Path) -> Iterator[EmulatorProcess]:
         process.kill()
 
 
-@pytest.fixture
-def operator(persistent_emulator: EmulatorProcess, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
-    with persistent_emulator.client() as client:
+def _run_operator(emulator: EmulatorProcess, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    with emulator.client() as client:
         client.create(widget_crd())
     log = (tmp_path / "operator.log").open("wb")
     process = subprocess.Popen(
         [sys.executable, "-m", "kopf", "run", "--standalone", "--all-namespaces", "--verbose", str(OPERATOR)],
-        env=persistent_emulator.env(),
+        env=emulator.env(),
         stdout=log,
         stderr=subprocess.STDOUT,
     )
@@ -48,6 +47,26 @@ def operator(persistent_emulator: EmulatorProcess, tmp_path: Path) -> Iterator[s
         process.kill()
         process.wait(timeout=10)
         log.close()
+
+
+@pytest.fixture
+def operator(persistent_emulator: EmulatorProcess, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    yield from _run_operator(persistent_emulator, tmp_path)
+
+
+@pytest.fixture
+def forgetful_emulator(tmp_path: Path) -> Iterator[EmulatorProcess]:
+    process = EmulatorProcess(tmp_path)
+    process.start()
+    try:
+        yield process
+    finally:
+        process.kill()
+
+
+@pytest.fixture
+def operator_on_forgetful(forgetful_emulator: EmulatorProcess, tmp_path: Path) -> Iterator[subprocess.Popen[bytes]]:
+    yield from _run_operator(forgetful_emulator, tmp_path)
 
 
 def _widget(name: str, size: int) -> dict[str, Any]:
@@ -97,3 +116,19 @@ def test_operator_creates_updates_and_survives_an_emulator_restart(
             message="garbage collection of the child",
         )
     assert operator.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
+
+
+def test_operator_recovers_when_a_restart_loses_all_state(
+    forgetful_emulator: EmulatorProcess, operator_on_forgetful: subprocess.Popen[bytes], tmp_path: Path
+) -> None:
+    with forgetful_emulator.client() as client:
+        client.create(_widget("before", 1))
+        wait_for(lambda: _child_size(client, "before") == "1", timeout=30, message="the first child")
+
+    forgetful_emulator.restart()  # SIGKILL; a fresh, empty API on the same port
+    with forgetful_emulator.client() as client:
+        assert client.get_or_none(*WIDGETS, "before", namespace="default") is None
+        client.create(widget_crd())
+        client.create(_widget("after", 4))
+        wait_for(lambda: _child_size(client, "after") == "4", timeout=60, message="a child after the reset")
+    assert operator_on_forgetful.poll() is None, (tmp_path / "operator.log").read_text()[-3000:]
