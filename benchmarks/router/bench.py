@@ -265,7 +265,9 @@ def overhead_table(rows: list[Row], rate: float) -> str:
 
 # ---- policy comparison on the simulator ---------------------------------------------------------
 
-SYSTEM_WORDS = ["policy", "cluster", "tenant", "request", "budget", "prompt", "answer", "engine", "cache", "block", "token", "model"]
+SYSTEM_WORDS = [
+    "policy", "cluster", "tenant", "request", "budget", "prompt", "answer", "engine", "cache", "block", "token",
+]  # fmt: skip
 
 
 def system_prompt(group: int, words: int) -> str:

@@ -2,11 +2,16 @@
 
 from __future__ import annotations
 
+import re
+from pathlib import Path
+
 import aiohttp
 import orjson
 
 from splitserve.sim import SimWorker
 from tests.router.conftest import metric_value, router_config, running_router, sim_config
+
+METRICS_DOC = Path(__file__).resolve().parents[2] / "workers" / "router" / "METRICS.md"
 
 
 async def _post(
@@ -156,3 +161,23 @@ async def test_models_lists_the_served_model() -> None:
             ):
                 assert response.status == 200
                 assert [m["id"] for m in (await response.json())["data"]] == ["sim-model"]
+
+
+async def test_metrics_endpoint_exposes_every_documented_name() -> None:
+    documented = re.findall(r"^\| `(splitserve_router_\w+)`", METRICS_DOC.read_text(), flags=re.MULTILINE)
+    assert len(documented) >= 14
+    async with (
+        SimWorker(sim_config("prefill")) as prefill,
+        SimWorker(sim_config("decode")) as decode,
+        running_router(router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))) as (_, url),
+    ):
+        await _post(url + "/v1/completions", {"model": "sim-model", "prompt": "a b c", "max_tokens": 2, "stream": True})
+        async with aiohttp.ClientSession() as session, session.get(url + "/metrics") as response:
+            text = await response.text()
+    exposed = {line.split()[2] for line in text.splitlines() if line.startswith("# TYPE")}
+    for name in documented:
+        base = name.removesuffix("_total")
+        assert name in exposed or base in exposed, f"{name} is documented but not exposed"
+    assert f'splitserve_router_worker_inflight{{pool="decode",worker="{decode.url}"}} 0.0' in text
+    assert 'splitserve_router_workers{pool="prefill",state="healthy"} 1.0' in text
+    assert 'splitserve_router_queue_depth{pool="decode"} 0.0' in text

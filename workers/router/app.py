@@ -86,9 +86,7 @@ class Router:
             self.budget,
             **pool_options,  # type: ignore[arg-type]
         )
-        for pool in ("prefill", "decode"):
-            self.metrics.queue_depth.labels(pool).set(0)
-            self.metrics.inflight.labels(pool).set(0)
+        self.metrics.watch_pools([self.prefill, self.decode])
         self.discovery = discovery or make_discovery(config)
         if tokenizer is None and config.tokenizer:
             tokenizer = HuggingFaceTokenizer(config.tokenizer)
@@ -162,8 +160,6 @@ class Router:
         return web.json_response(body, status=200 if self.ready else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        self.metrics.queue_depth.labels("prefill").set(self.prefill.queue_depth)
-        self.metrics.queue_depth.labels("decode").set(self.decode.queue_depth)
         response = web.Response(body=generate_latest(self.metrics.registry))
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response

@@ -11,14 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import contextlib
 import enum
 import logging
 import time
 from collections.abc import Iterable
 
 import aiohttp
-from prometheus_client import Gauge
 
 from splitserve.router import errors
 from splitserve.router.metrics import RouterMetrics
@@ -52,7 +50,7 @@ class AdmissionBudget:
 class Worker:
     """One upstream worker: its connection pool and what the router knows about it."""
 
-    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession, inflight_gauge: Gauge) -> None:
+    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession) -> None:
         self.url = url.rstrip("/")
         self.pool = pool
         self.session = session
@@ -64,7 +62,6 @@ class Worker:
         self.removed = False
         self.kv_usage: float | None = None
         self.waiting: float | None = None
-        self.inflight_gauge = inflight_gauge
 
     @property
     def key(self) -> str:
@@ -124,8 +121,8 @@ class WorkerPool:
         self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
         self.inflight = 0
-        self._inflight_gauge = metrics.inflight.labels(name)
-        self._publish_states()
+        # Removed from discovery but still serving requests: reported until their last one ends.
+        self.departing: set[Worker] = set()
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -152,8 +149,7 @@ class WorkerPool:
         for url in ready_set | terminating_set:
             worker = self._workers.get(url)
             if worker is None:
-                gauge = self._metrics.worker_inflight.labels(self.name, url)
-                worker = Worker(url, self.name, self._new_session(), gauge)
+                worker = Worker(url, self.name, self._new_session())
                 self._workers[url] = worker
                 log.info("%s worker added: %s", self.name, url)
             if url in terminating_set:
@@ -167,22 +163,20 @@ class WorkerPool:
             if isinstance(self.policy, PrefixAware):
                 self.policy.forget_worker(url)
             if worker.inflight == 0:
-                self._forget_worker_gauge(url)
                 self._close_later(worker)
+            else:
+                self.departing.add(worker)
         self._changed()
 
     def _new_session(self) -> aiohttp.ClientSession:
         connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=False)
         return aiohttp.ClientSession(
             connector=connector,
+            cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies; skip the jar's per-request work
             timeout=aiohttp.ClientTimeout(total=None, connect=self._connect_timeout),
             skip_auto_headers=("User-Agent",),
             auto_decompress=False,
         )
-
-    def _forget_worker_gauge(self, url: str) -> None:
-        with contextlib.suppress(KeyError):  # the worker may never have had a request
-            self._metrics.worker_inflight.remove(self.name, url)
 
     def _close_later(self, worker: Worker) -> None:
         task: asyncio.Task[None] = asyncio.get_running_loop().create_task(worker.session.close())
@@ -193,15 +187,7 @@ class WorkerPool:
         self._routable = [
             w for w in sorted(self._workers.values(), key=lambda w: w.url) if w.state is WorkerState.HEALTHY
         ]
-        self._publish_states()
         self._wake(all_waiters=True)
-
-    def _publish_states(self) -> None:
-        counts = dict.fromkeys(WorkerState, 0)
-        for worker in self._workers.values():
-            counts[worker.state] += 1
-        for state, count in counts.items():
-            self._metrics.workers.labels(self.name, state.value).set(count)
 
     # ---- slots ------------------------------------------------------------------------------
 
@@ -215,10 +201,9 @@ class WorkerPool:
             preferred = [w for w in candidates if w.url not in exclude]
             candidates = preferred or candidates
         worker = self.policy.choose(candidates, request)
+        # Gauges are read from these counters at scrape time (metrics.PoolCollector): no per-request cost.
         worker.inflight += 1
         self.inflight += 1
-        worker.inflight_gauge.set(worker.inflight)
-        self._inflight_gauge.set(self.inflight)
         return worker
 
     async def acquire(self, request: RoutingRequest, deadline: float, exclude: frozenset[str] = frozenset()) -> Worker:
@@ -228,7 +213,6 @@ class WorkerPool:
             if worker is not None:
                 return worker
         self._budget.enter()
-        self._metrics.queue_depth.labels(self.name).inc()
         loop = asyncio.get_running_loop()
         try:
             first = True
@@ -256,18 +240,13 @@ class WorkerPool:
                     return worker
         finally:
             self._budget.leave()
-            self._metrics.queue_depth.labels(self.name).dec()
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
         self.inflight -= 1
-        self._inflight_gauge.set(self.inflight)
-        if worker.removed:
-            if worker.inflight == 0:
-                self._forget_worker_gauge(worker.url)
-                self._close_later(worker)
-        else:
-            worker.inflight_gauge.set(worker.inflight)
+        if worker.removed and worker.inflight == 0:
+            self.departing.discard(worker)
+            self._close_later(worker)
         self._wake(all_waiters=False)
 
     def _wake(self, all_waiters: bool) -> None:
