@@ -182,6 +182,7 @@ class Supervisor:
         pending = list(processes)
         deadline = time.monotonic() + timeout_seconds
         next_note = time.monotonic() + STILL_STARTING_EVERY_SECONDS
+        noted: dict[str, tuple[str, float]] = {}
         with httpx.Client(timeout=httpx.Timeout(2.0, connect=0.5)) as client:
             while pending:
                 if self.stop_reason is not None:
@@ -195,8 +196,7 @@ class Supervisor:
                 if pending and time.monotonic() >= next_note:
                     next_note += STILL_STARTING_EVERY_SECONDS
                     for process in pending:
-                        last = log_tail(process.log_path, lines=1)[:120]
-                        self.progress.say(f"{process.name} still starting" + (f": {last}" if last else ""))
+                        self._note_still_starting(process, noted)
                 if pending and time.monotonic() > deadline:
                     names = ", ".join(process.name for process in pending)
                     raise StartupError(
@@ -205,6 +205,15 @@ class Supervisor:
                     )
                 if pending:
                     time.sleep(POLL_SECONDS)
+
+    def _note_still_starting(self, process: RunningProcess, noted: dict[str, tuple[str, float]]) -> None:
+        """Say what a slow starter is doing: when its log moved on, or once a minute if it did not."""
+        last = log_tail(process.log_path, lines=1).strip()[:120]
+        previous, when = noted.get(process.name, (None, 0.0))
+        if last == previous and self.progress.elapsed() - when < 60:
+            return
+        noted[process.name] = (last, self.progress.elapsed())
+        self.progress.say(f"{process.name} still starting" + (f": {last}" if last else ""))
 
     @staticmethod
     def _answers(client: httpx.Client, url: str) -> bool:
