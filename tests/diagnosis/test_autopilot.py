@@ -6,7 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 import pytest
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import Mode
@@ -258,3 +258,65 @@ def test_state_and_samples_come_from_spec_and_telemetry(make_spec: SpecFactory, 
     needs = traffic_needs(make_input(spec, telemetry=telemetry, facts=facts))
     assert needs is not None and sample.needed_ratio == pytest.approx(needs[0] / needs[1])
     assert sample_from_input(make_input(spec, facts=facts), 1.0) == Sample(1.0)
+
+
+def _apply(state: ServingState, action: Action) -> ServingState:
+    patch = action.patch
+    if "mode" in patch:
+        return ServingState(
+            Mode(patch["mode"]), state.speculative_method, state.prefill_replicas, state.decode_replicas
+        )
+    if "engine" in patch:
+        method = patch["engine"]["speculativeDecoding"]["method"]
+        return ServingState(state.mode, method, state.prefill_replicas, state.decode_replicas)
+    return ServingState(state.mode, state.speculative_method, patch["prefill"]["replicas"], state.decode_replicas)
+
+
+def _drive(loads: list[float], itl: list[float], veto: list[str]) -> list[AppliedAction]:
+    """Run the autopilot every minute over a load trace (each level held 5 minutes), checking invariants."""
+    state = DISAGG_OFF
+    samples: list[Sample] = []
+    history: list[AppliedAction] = []
+    for minute in range(len(loads) * 5):
+        now = minute * 60.0
+        batch = loads[minute // 5]
+        samples.append(Sample(now, batch, itl[minute % len(itl)], 0.5, 3.0 if batch > 20 else 1.1, needed_ratio=0.5))
+        decision = run(state, samples, now, history=history, veto=veto)
+        action = decision.action
+        if action is None:
+            continue
+        assert action.kind not in veto
+        if history:
+            gap = now - history[-1].time
+            if action.reverts is not None:
+                assert POLICY.evaluation_s <= gap < POLICY.min_interval_s
+                history[-1] = AppliedAction(history[-1].action, history[-1].time, reverted=True)
+            else:
+                assert gap >= POLICY.min_interval_s
+        window = [s for s in samples if s.time >= now - POLICY.window_s]
+        assert len(window) >= POLICY.min_samples or action.reverts is not None
+        history.append(AppliedAction(action, now))
+        state = _apply(state, action)
+    return history
+
+
+@settings(max_examples=40, deadline=None)
+@given(
+    loads=st.lists(st.floats(min_value=0, max_value=64), min_size=20, max_size=60),
+    itl=st.lists(st.floats(min_value=0.01, max_value=0.2), min_size=1, max_size=10),
+    veto=st.lists(st.sampled_from(["mode", "speculativeDecoding", "ratio"]), max_size=2),
+)
+def test_closed_loop_keeps_every_invariant(loads: list[float], itl: list[float], veto: list[str]) -> None:
+    _drive(loads, itl, veto)
+
+
+def test_closed_loop_follows_the_load() -> None:
+    """An hour idle, then two hours busy: aggregate, speculate, then disaggregate and stop speculating."""
+    loads = [2.0] * 12 + [40.0] * 24
+    history = _drive(loads, [0.04], [])
+    assert [entry.action.what for entry in history] == [
+        "switch to aggregated",
+        "turn speculative decoding on (ngram)",
+        "switch to disaggregated",
+        "turn speculative decoding off",
+    ]

@@ -137,17 +137,18 @@ async def test_diagnosis_reads_scraped_metrics(
     telemetry = report.inp.telemetry
     assert telemetry is not None, report.inp.telemetry_note
     by_key = {result.key: result for result in report.results}
+    explain = report.text()
 
-    # Only "chat" is counted: 600/1000 tokens/s, not twice that.
-    assert telemetry.prefix_hits_rate.value == pytest.approx(600, rel=0.1)
-    assert by_key["prompt-redundancy"].patch == {"router": {"routingPolicy": {"prefill": "prefix-aware"}}}
-    assert "high output-length variance" in by_key["output-variance"].verdict
-    assert by_key["kv-pressure"].status == "problem"
-    assert "role=" in telemetry.itl_p90.query and telemetry.itl_p90.value is not None
-    assert 0.05 < telemetry.itl_p90.value <= 0.1
+    # Only "chat" is counted: 600 tokens/s, not twice that (loose bounds: scrapes jitter on a busy machine).
+    assert telemetry.prefix_hits_rate.value == pytest.approx(600, rel=0.3), explain
+    assert by_key["prompt-redundancy"].patch == {"router": {"routingPolicy": {"prefill": "prefix-aware"}}}, explain
+    assert "high output-length variance" in by_key["output-variance"].verdict, explain
+    assert by_key["kv-pressure"].status == "problem", explain
+    assert "role=" in telemetry.itl_p90.query and telemetry.itl_p90.value is not None, explain
+    assert 0.05 < telemetry.itl_p90.value <= 0.1, explain
     assert by_key["per-token-latency"].patch == {
         "engine": {"speculativeDecoding": {"method": "ngram", "numSpeculativeTokens": 3}}
-    }
-    assert telemetry.request_rate.value == pytest.approx(10, rel=0.1)
-    assert by_key["disaggregation"].status != "unknown"
+    }, explain
+    assert telemetry.request_rate.value == pytest.approx(10, rel=0.3), explain
+    assert by_key["disaggregation"].status != "unknown", explain
     assert "TTFT inflation" in " ".join(e.text for e in by_key["disaggregation"].evidence)
