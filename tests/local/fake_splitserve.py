@@ -16,6 +16,7 @@ def main() -> int:
     if sys.argv[1:2] != ["tiny-model"]:
         return 2
     if os.environ.get("FAKE_TINY_MODEL_FAIL"):
+        Path(sys.argv[2]).mkdir(parents=True)  # half-written, as a real failure would leave it
         print("tiny-model: tokenizer training failed: no more bytes", flush=True)
         return 1
     target = Path(sys.argv[2])

@@ -51,6 +51,7 @@ def test_failed_build_is_a_startup_error_with_its_log(
         local_stack._model_path()
     assert "no more bytes" in raised.value.log_tail
     assert not (tmp_path / "cache" / "tiny-model").exists()
+    assert not list((tmp_path / "cache").glob("*.partial-*")), "a failed build leaves nothing behind"
 
 
 def test_plan_points_workers_at_the_built_model(local_stack: stack.LocalStack, tmp_path: Path) -> None:

@@ -53,7 +53,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         metavar="SECONDS",
         help="stop everything after this many seconds of serving",
     )
-    parser.add_argument("--startup-timeout", type=float, default=300.0, metavar="SECONDS")
+    parser.add_argument(
+        "--startup-timeout",
+        type=float,
+        default=600.0,
+        metavar="SECONDS",
+        help="give up on a process not ready by then (vLLM: ~35 s on an idle 2-core machine, minutes on a busy one)",
+    )
     parser.add_argument(
         "--stop-grace", type=float, default=15.0, metavar="SECONDS", help="wait this long after SIGTERM, then SIGKILL"
     )

@@ -130,7 +130,12 @@ class LocalStack:
             name="tiny-model", argv=(*splitserve_command(), "tiny-model", str(partial)), port=0, ready_path=""
         )
         process = self.supervisor.start(spec)
-        self._wait_exit(process, timeout=600.0)
+        try:
+            self._wait_exit(process, timeout=600.0)
+        except (StartupError, StopRequested):
+            self.supervisor.stop_all()  # the builder must stop writing before its folder goes
+            shutil.rmtree(partial, ignore_errors=True)
+            raise
         try:
             os.replace(partial, model_dir)
         except OSError as error:
