@@ -79,6 +79,15 @@ def test_prompt_redundancy(
         assert any("prometheus: q_prefix_hits_rate" in e.source for e in result.evidence)
 
 
+def test_scattered_prefixes_are_pointed_out(make_spec: SpecFactory, make_input: InputFactory) -> None:
+    spec = make_spec({"router": {"routingPolicy": {"prefill": "round-robin"}}, "prefill": {"replicas": 3}})
+    result = prompt_redundancy(
+        make_input(spec, telemetry=tel(prefix_hits_rate=100.0, prefix_queries_rate=1000.0), facts=FACTS_8B)
+    )
+    assert result.status == "ok"  # 10% measured: the decision stays on what was measured
+    assert any("up to 30%" in e.text and "3 replicas" in e.text for e in result.evidence)
+
+
 def test_prompt_redundancy_without_telemetry_says_so(make_spec: SpecFactory, make_input: InputFactory) -> None:
     result = prompt_redundancy(make_input(make_spec(), facts=FACTS_8B))
     assert result.status == "unknown" and result.verdict.startswith("no telemetry:")

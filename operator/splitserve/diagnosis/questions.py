@@ -262,6 +262,17 @@ def prompt_redundancy(inp: DiagnosisInput) -> QuestionResult:
         return answer(2, "unknown", "no prompt traffic in the window", tuple(evidence))
     share = hits.value / queries.value
     prefix_routed = policy in (RoutingPolicy.PREFIX_AWARE, RoutingPolicy.KV_AWARE)
+    pool = spec.prefill if policy_field == "prefill" else spec.decode
+    replicas = max(pool.replicas, pool.max_replicas if spec.autoscaling.enabled else 0)
+    if not prefix_routed and replicas > 1:
+        # Requests sharing a prefix land on the replica holding it only about 1/replicas of the time.
+        evidence.append(
+            Evidence(
+                f"cache hit share {pct(share)}; the shared-prefix share may be up to "
+                f"{pct(min(1.0, share * replicas))} ({policy} scatters prefixes over {replicas} replicas)",
+                "derived",
+            )
+        )
     if share < SIGNIFICANT_PREFIX_SHARE:
         return answer(
             2, "ok", f"little prompt redundancy: {pct(share)} of prompt tokens hit the prefix cache", tuple(evidence)
