@@ -8,6 +8,8 @@ silently.
 
 from __future__ import annotations
 
+import functools
+import re
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -15,7 +17,9 @@ from typing import Any
 
 import jsonschema
 import kubernetes_validate
+import kubernetes_validate.utils
 import yaml
+from referencing import Registry, Resource
 
 # Kubernetes versions the manifests must be valid for: the oldest we support and the newest schemas known.
 KUBERNETES_VERSIONS = ("1.35.0", kubernetes_validate.latest_version())
@@ -31,6 +35,36 @@ THIRD_PARTY_KINDS = {
 
 # render(values=None, name=..., namespace=...) -> {template path: rendered text}
 RenderChart = Callable[..., dict[str, str]]
+
+
+@functools.cache
+def strict_validator(kube_version: str, api_version: str, kind: str) -> jsonschema.protocols.Validator:
+    """kubernetes-validate's strict schema for one kind, compiled once (its own `validate` re-reads the
+    multi-megabyte definitions file on every call, which made these tests slow)."""
+    utils = kubernetes_validate.utils
+    version = [v for v in utils.all_versions() if utils.major_minor(v) <= utils.major_minor(kube_version)][-1]
+    schema_dir = f"kubernetes-json-schema/v{version}-local-strict"
+    file_api_version = re.sub(r"^([^./]*)(?:\.[^/]*)?/", r"\1-", api_version)
+    try:
+        schema = utils.schema_contents(f"{schema_dir}/{kind.lower()}-{file_api_version}.json", kube_version)
+    except FileNotFoundError as missing:
+        raise kubernetes_validate.SchemaNotFoundError(
+            version=utils.major_minor(kube_version), kind=kind, api_version=api_version
+        ) from missing
+    definitions = utils.schema_contents(f"{schema_dir}/_definitions.json", kube_version)
+    registry: Registry = Resource.from_contents(definitions) @ (Resource.from_contents(schema) @ Registry())
+    validator: jsonschema.protocols.Validator = jsonschema.Draft202012Validator(schema, registry=registry)
+    return validator
+
+
+def validate_strict(obj: dict[str, Any], kube_version: str) -> None:
+    """Same result as kubernetes_validate.validate(obj, kube_version, strict=True), cached per kind."""
+    try:
+        validator = strict_validator(kube_version, obj["apiVersion"], obj["kind"])
+    except AttributeError:  # kubernetes-validate changed its internals: use its public (slower) API
+        kubernetes_validate.validate(obj, kube_version, strict=True)
+        return
+    validator.validate(obj)
 
 
 @dataclass
@@ -89,8 +123,8 @@ def validate_objects(
             continue
         for kube_version in version_list:
             try:
-                kubernetes_validate.validate(obj, kube_version, strict=True)
-            except kubernetes_validate.ValidationError as error:
+                validate_strict(obj, kube_version)
+            except jsonschema.ValidationError as error:
                 where = list(error.absolute_path)
                 report.errors.append(f"{describe(obj)} @ {kube_version}: {error.message} at {where}")
             except kubernetes_validate.SchemaNotFoundError:
