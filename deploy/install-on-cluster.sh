@@ -8,6 +8,7 @@
 #   deploy/install-on-cluster.sh request NAME            # port-forward the router + one completion
 #   deploy/install-on-cluster.sh scale NAME REPLICAS     # decode replicas via kubectl patch
 #   deploy/install-on-cluster.sh uninstall [NAME...]     # delete the InferenceDeployments, the release
+#   deploy/install-on-cluster.sh kind                    # local kind cluster with locally built images
 #
 # Settings (environment): KUBE_CONTEXT (default: current context), NAMESPACE (where the example
 # runs, default "default"), OPERATOR_NAMESPACE (default "splitserve-system"), RELEASE (default
@@ -146,6 +147,21 @@ cmd_uninstall() {
   fi
 }
 
+# A kind cluster (CPU only) with the images built here and loaded into it; then use
+# KUBE_CONTEXT=kind-${KIND_CLUSTER} for the other steps.
+cmd_kind() {
+  local cluster="${KIND_CLUSTER:-splitserve}"
+  need kind "https://kind.sigs.k8s.io/docs/user/quick-start/#installation"
+  need docker "a Docker engine builds the images"
+  say "kind cluster ${cluster}"
+  if [[ "${DRY_RUN}" == "1" ]] || ! kind get clusters 2> /dev/null | grep -qx "${cluster}"; then
+    run kind create cluster --name "${cluster}" --wait 2m
+  fi
+  say "images: build and load into kind (the worker image needs VLLM_IMAGE=<a vLLM CPU image> to run on CPU)"
+  run make -C "${REPO_ROOT}/deploy/images" images kind-load KIND_CLUSTER="${cluster}" ${VLLM_IMAGE:+VLLM_IMAGE="${VLLM_IMAGE}"}
+  say "next: KUBE_CONTEXT=kind-${cluster} $0 install"
+}
+
 cmd_all() {
   local file="${1:?usage: all FILE}"
   local name
@@ -168,6 +184,7 @@ main() {
     scale) cmd_scale "$@" ;;
     uninstall) cmd_uninstall "$@" ;;
     all) cmd_all "$@" ;;
+    kind) cmd_kind "$@" ;;
     *) awk 'NR > 1 && /^#/ {sub(/^# ?/, ""); print; next} NR > 1 {exit}' "${BASH_SOURCE[0]}" >&2; exit 2 ;;
   esac
 }

@@ -104,3 +104,13 @@ def test_no_command_prints_usage() -> None:
     assert result.returncode == 2
     assert "deploy/install-on-cluster.sh install" in result.stderr
     assert "set -euo pipefail" not in result.stderr
+
+
+def test_kind_builds_and_loads_the_images_into_a_local_cluster() -> None:
+    steps = [
+        " ".join(step) for step in commands(run_script("kind", KIND_CLUSTER="dev", VLLM_IMAGE="example/vllm-cpu:1"))
+    ]
+    assert steps[0] == "kind create cluster --name dev --wait 2m"
+    assert steps[1] == (
+        f"make -C {REPO_ROOT}/deploy/images images kind-load KIND_CLUSTER=dev VLLM_IMAGE=example/vllm-cpu:1"
+    )
