@@ -169,3 +169,15 @@ def test_quantization_shrinks_weights(
 ) -> None:
     spec = make_spec({"model": {"name": "m-70b", "quantization": quantization, "maxModelLen": 4096}})
     assert (hardware_fit(make_input(spec)).status == "ok") is ok
+
+
+def test_a_draft_model_counts_against_memory(make_spec: SpecFactory, make_input: InputFactory) -> None:
+    base = {"model": {"name": "m", "parameterCount": 30_000_000_000, "maxModelLen": 4096}, "mode": "aggregated"}
+    alone = hardware_fit(make_input(make_spec(base), gpu="A100-80GB"))
+    draft = {"engine": {"speculativeDecoding": {"method": "draft", "draftModel": "org/helper-8B"}}}
+    with_draft = hardware_fit(make_input(make_spec({**base, **draft}), gpu="A100-80GB"))
+    assert alone.status == "ok"
+    # 38B parameters in 16 bit: 70.8 GiB of weights + 2 GiB overhead > 72 GiB (80 GiB x 0.9).
+    assert with_draft.verdict.startswith("does not fit")
+    assert "70.8 GiB/GPU + 2 GiB runtime overhead exceed the 72.0 GiB budget" in with_draft.verdict
+    assert any("draft model adds 8.00B" in e.text for e in with_draft.evidence)

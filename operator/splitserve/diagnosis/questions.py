@@ -30,7 +30,9 @@ from splitserve.diagnosis.findings import (
     tokens_text,
     without_arg,
 )
+from splitserve.diagnosis.model_facts import parameter_count_from_name
 from splitserve.diagnosis.sizing import (
+    RUNTIME_OVERHEAD_GIB,
     TIGHT_WEIGHT_SHARE,
     Capacity,
     FitEstimate,
@@ -94,6 +96,13 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
         )
     params = facts.parameter_count
     evidence.append(Evidence(f"{params / 1e9:.2f}B parameters", facts.parameter_source))
+    draft = _draft_parameters(spec)
+    if draft:
+        # A draft model is loaded next to the target on every GPU set; count its weights too.
+        params += draft
+        evidence.append(
+            Evidence(f"draft model adds {draft / 1e9:.2f}B parameters", "spec (speculativeDecoding.draftModel name)")
+        )
     if facts.config_note:
         evidence.append(Evidence(facts.config_note, "model config"))
     required = spec.model.max_model_len or facts.max_position_embeddings
@@ -147,7 +156,10 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     kv_per_token = facts.kv_shape.bytes_per_token(prec_worst.kv_bytes)
     options = _fit_options(inp, pool, prec_worst, kv_per_token, gpu.memory_gib, required, gpu.native_fp8)
     if worst.state == "does not fit":
-        why = f"weights {worst.weights_per_gpu_gib:.1f} GiB/GPU exceed the {worst.usable_per_gpu_gib:.1f} GiB budget"
+        why = (
+            f"weights {worst.weights_per_gpu_gib:.1f} GiB/GPU + {RUNTIME_OVERHEAD_GIB:g} GiB runtime overhead "
+            f"exceed the {worst.usable_per_gpu_gib:.1f} GiB budget"
+        )
     elif worst.weight_share >= TIGHT_WEIGHT_SHARE:
         why = (
             f"weights take {pct(worst.weight_share)} of usable memory, "
@@ -181,6 +193,14 @@ def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     return answer(1, "problem", verdict, tuple(evidence), recommendation, primary.patch, tuple(options))
 
 
+def _draft_parameters(spec: InferenceDeploymentSpec) -> float:
+    """Parameters of the speculative-decoding draft model, from its name; 0 when none or unknown."""
+    speculative = spec.engine.speculative_decoding
+    if speculative.method != "draft" or not speculative.draft_model:
+        return 0.0
+    return parameter_count_from_name(speculative.draft_model) or 0.0
+
+
 def _fit_options(
     inp: DiagnosisInput,
     pool: PoolSpec,
@@ -204,7 +224,7 @@ def _fit_options(
             if tp < pool.tensor_parallel_size or (heads is not None and heads % tp != 0):
                 continue
             fit = estimate_fit(
-                facts.parameter_count,
+                facts.parameter_count + _draft_parameters(spec),
                 weight_bytes,
                 kv_per_token,
                 tp,
