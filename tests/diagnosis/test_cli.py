@@ -127,6 +127,11 @@ def test_gpu_from_node_selector(tmp_path: Path, capsys: pytest.CaptureFixture[st
             "invalid spec at spec.model.dtype",
         ),
         ("kind: InferenceDeployment\nspec:\n  model: {name: m, source: {uri: /m}}\n", ["--gpu", "H1OO"], "unknown GPU"),
+        (
+            "kind: InferenceDeployment\nspec:\n  model: {name: m, source: {uri: /m}}\n",
+            ["--window", "5 min"],
+            "duration",
+        ),
     ],
 )
 def test_user_errors_are_one_line_and_exit_1(

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import re
 import sys
 from typing import Any
 
@@ -57,8 +58,15 @@ def parse_spec(document: dict[str, Any], filename: str) -> InferenceDeploymentSp
         raise UserError(f"{filename}: invalid spec at spec.{where}: {first['msg']}{more}") from error
 
 
+def check_window(window: str) -> str:
+    if not re.fullmatch(r"(\d+(ms|[smhdwy]))+", window):
+        raise UserError(f"--window {window!r} is not a PromQL duration (e.g. 5m, 90s, 1h30m)")
+    return window
+
+
 def run(args: argparse.Namespace) -> int:
     try:
+        check_window(args.window)
         document = first_deployment(read_input(args.filename), args.filename)
         spec = parse_spec(document, args.filename)
         metadata = document.get("metadata") or {}
