@@ -65,9 +65,6 @@ RATIO_MISMATCH = 1.5  # current vs needed prefill:decode ratio off by more than 
 MIN_REQUEST_RATE = 0.01  # requests/s below which the window is "no traffic"
 
 
-# --------------------------------------------------------------------------- helpers
-
-
 # --------------------------------------------------------------------------- 1. hardware-model fit
 
 
