@@ -60,8 +60,12 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[index]
 
 
-def start(argv: list[str], core: int | None) -> subprocess.Popen[bytes]:
+def start(argv: list[str], core: int | None, nice: int = 0) -> subprocess.Popen[bytes]:
+    """Start a process pinned to ``core``; ``nice`` < 0 (root) so that on a shared machine a router
+    "on one core" really gets that core."""
     prefix = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
+    if nice:
+        prefix = ["nice", "-n", str(nice), *prefix]
     log = open(LOG_DIR / f"{Path(argv[0]).name}-{time.monotonic_ns()}.log", "wb")  # noqa: SIM115 - lives with the process
     return subprocess.Popen(prefix + argv, stdout=log, stderr=subprocess.STDOUT)
 
@@ -190,7 +194,9 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
     base = free_port()
     while any(_port_busy(base + i) for i in range(4)):
         base = free_port()
-    workers = start([sys.executable, str(HERE / "fake_worker.py"), "--port", str(base), "--count", "4"], core=0)
+    workers = start(
+        [sys.executable, str(HERE / "fake_worker.py"), "--port", str(base), "--count", "4"], core=0, nice=args.nice
+    )
     prefill = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     decode = [f"http://127.0.0.1:{base + 2}", f"http://127.0.0.1:{base + 3}"]
     body: dict[str, object] = {
@@ -207,7 +213,7 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
             argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                     "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
                     "--log-level", "warning"]  # fmt: skip
-            router = start(argv, core=1)
+            router = start(argv, core=1, nice=args.nice)
             try:
                 rows.append(
                     await measure(f"splitserve router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
@@ -222,7 +228,7 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
                         "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
                 # One flag per URL, as vllm-router wants it (--prefill URL [BOOTSTRAP_PORT]).
                 argv = _one_flag_per_url(_one_flag_per_url(argv, "--prefill", prefill), "--decode", decode)
-                router = start(argv, core=1)
+                router = start(argv, core=1, nice=args.nice)
                 try:
                     rows.append(
                         await measure(f"vllm-router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
@@ -279,18 +285,19 @@ async def policies(args: argparse.Namespace) -> list[dict[str, object]]:
     results: list[dict[str, object]] = []
     for policy in ("round-robin", "prefix-aware"):
         prefill_port, decode_port = free_port(), free_port()
-        common = ["--profile", "cpu-tiny", "--time-scale", str(args.time_scale), "--log-level", "ERROR"]
+        common = ["--profile", "cpu-tiny", "--time-scale", str(args.time_scale), "--log-level", "ERROR",
+                  "--num-kv-blocks", str(args.num_kv_blocks)]  # fmt: skip
         prefill = start([sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "prefill", "--count", "4",
-                         "--port", str(prefill_port), *common], core=0)  # fmt: skip
+                         "--port", str(prefill_port), *common], core=0, nice=args.nice)  # fmt: skip
         decode = start([sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "decode", "--count", "2",
-                        "--port", str(decode_port + 10), *common], core=0)  # fmt: skip
+                        "--port", str(decode_port + 10), *common], core=0, nice=args.nice)  # fmt: skip
         port = free_port()
         prefill_urls = ",".join(f"http://127.0.0.1:{prefill_port + i}" for i in range(4))
         decode_urls = ",".join(f"http://127.0.0.1:{decode_port + 10 + i}" for i in range(2))
         router = start([sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                         "--prefill", prefill_urls, "--decode", decode_urls, "--prefill-policy", policy,
                         "--decode-policy", "least-loaded", "--model", "sim-model", "--log-level", "warning"],
-                       core=1)  # fmt: skip
+                       core=1, nice=args.nice)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
             await wait_ready(url, {"model": "sim-model", "prompt": "warm up", "max_tokens": 1, "stream": True})
@@ -353,6 +360,7 @@ def policies_table(results: list[dict[str, object]]) -> str:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--nice", type=int, default=0, help="niceness of every process started (root: negative)")
     sub = parser.add_subparsers(dest="mode", required=True)
     over = sub.add_parser("overhead")
     over.add_argument("--rate", type=float, default=200.0)
@@ -367,13 +375,21 @@ def main() -> None:
         help="cache_aware needs the workers' /v1/completions/render, which the fake workers do not have",
     )
     pol = sub.add_parser("policies")
-    pol.add_argument("--rate", type=float, default=40.0)
-    pol.add_argument("--seconds", type=float, default=20.0)
-    pol.add_argument("--groups", type=int, default=8, help="distinct shared system prompts")
+    pol.add_argument("--rate", type=float, default=10.0)
+    pol.add_argument("--seconds", type=float, default=30.0)
+    pol.add_argument("--groups", type=int, default=24, help="distinct shared system prompts")
+    pol.add_argument(
+        "--num-kv-blocks",
+        type=int,
+        default=128,
+        help="KV blocks per simulated worker: all prefixes fit in the pool's cache, not in one worker's",
+    )
     pol.add_argument("--system-words", type=int, default=1500)
     pol.add_argument("--time-scale", type=float, default=1.0)
     args = parser.parse_args()
     LOG_DIR.mkdir(parents=True, exist_ok=True)
+    if args.nice:
+        os.nice(args.nice)  # the load generator too
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
         os.sched_setaffinity(0, {0})  # the load generator stays off the router's core
     try:

@@ -169,7 +169,9 @@ class WorkerPool:
         self._changed()
 
     def _new_session(self) -> aiohttp.ClientSession:
-        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=30.0, enable_cleanup_closed=False)
+        # Idle connections are dropped after 4 s, before uvicorn (vLLM) closes them at its default 5 s:
+        # a request sent on a connection the server is closing would fail for nothing.
+        connector = aiohttp.TCPConnector(limit=0, keepalive_timeout=4.0, enable_cleanup_closed=False)
         return aiohttp.ClientSession(
             connector=connector,
             cookie_jar=aiohttp.DummyCookieJar(),  # workers set no cookies; skip the jar's per-request work
