@@ -31,9 +31,15 @@ def _wait_gone(pids: set[int], seconds: float) -> set[int]:
     return alive
 
 
-@pytest.mark.parametrize(("file", "workers"), [(DISAGGREGATED, {"prefill-0", "decode-0"}), (AGGREGATED, {"worker-0"})])
-def test_up_serves_through_the_router_and_stops_cleanly_on_sigterm(
-    file: str, workers: set[str], tmp_path: Path
+@pytest.mark.parametrize(
+    ("file", "workers", "stop_signal"),
+    [
+        (DISAGGREGATED, {"prefill-0", "decode-0"}, signal.SIGTERM),
+        (AGGREGATED, {"worker-0"}, signal.SIGINT),  # Ctrl-C
+    ],
+)
+def test_up_serves_through_the_router_and_stops_cleanly_on_a_signal(
+    file: str, workers: set[str], stop_signal: signal.Signals, tmp_path: Path
 ) -> None:
     up = start_up("--engine", "sim", "-f", file, "--port", "0", run_dir=tmp_path)
     try:
@@ -49,7 +55,7 @@ def test_up_serves_through_the_router_and_stops_cleanly_on_sigterm(
         assert completion.choices[0].text.strip(), "the stack should generate text"
         assert completion.usage is not None and completion.usage.completion_tokens == 8
 
-        up.popen.send_signal(signal.SIGTERM)
+        up.popen.send_signal(stop_signal)
         assert up.popen.wait(timeout=30) == 0
     finally:
         if up.popen.poll() is None:
