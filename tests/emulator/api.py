@@ -80,8 +80,9 @@ class KubernetesApi:
         self.store = store
         self.registry = registry
         self._clock = clock
-        for _, crd in [(key, obj) for key, obj in store.items() if key == CRD_KEY]:
-            registry.register_crd(crd)
+        for resource_key, obj in list(store.items()):  # CRDs restored from a state file
+            if resource_key == CRD_KEY:
+                registry.register_crd(obj)
         for name in INITIAL_NAMESPACES:
             if store.get(NAMESPACE_KEY, "", name) is None:
                 self._store_new(
@@ -130,7 +131,7 @@ class KubernetesApi:
     # ------------------------------------------------------------------ create
     def create(self, info: ResourceInfo, namespace: str, body: Any, *, manager: str) -> dict[str, Any]:
         obj = self._prepare_new(info, namespace, body)
-        record = self._record_update_for(info, "", manager)
+        record = self._tracked_fields(info, "")
         return self._store_new(info, obj, manager=manager, record=record)
 
     def _prepare_new(self, info: ResourceInfo, namespace: str, body: Any) -> dict[str, Any]:
@@ -217,7 +218,8 @@ class KubernetesApi:
         if info.key == CRD_KEY:
             self.registry.register_crd(stored)
 
-    def _record_update_for(self, info: ResourceInfo, subresource: str, manager: str) -> managed_fields.Tracked:
+    def _tracked_fields(self, info: ResourceInfo, subresource: str) -> managed_fields.Tracked:
+        """Which fields a write through this (sub)resource owns in managedFields."""
         if subresource == "status":
             return managed_fields.track_status_subresource
         has_status = info.has_status
@@ -303,7 +305,7 @@ class KubernetesApi:
         body_name = (body.get("metadata") or {}).get("name")
         if body_name not in (None, name):
             raise errors.bad_request(f"the name of the object ({body_name}) does not match the name on the URL")
-        tracked = self._record_update_for(info, subresource, manager)
+        tracked = self._tracked_fields(info, subresource)
         existing = self.store.get(info.key, namespace if info.namespaced else "", name)
         now = self._clock()
         try:
@@ -410,7 +412,7 @@ class KubernetesApi:
                 subresource=subresource,
                 api_version=info.api_version,
                 now=self._clock(),
-                tracked=self._record_update_for(info, subresource, manager),
+                tracked=self._tracked_fields(info, subresource),
             )
         if info.key == CRD_KEY and subresource != "status":
             self._apply_defaults(info, new)

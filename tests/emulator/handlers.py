@@ -179,11 +179,11 @@ class HttpFrontend:
                 field_selector=params.get("fieldSelector"),
             )
             return self._list_response(info, items, accept, params)
-        assert_name = target.name or ""
+        object_name = target.name or ""
         if verb == "get":
             if target.subresource == "scale":
-                return _json_response(self.api.get_scale(info, namespace, assert_name))
-            obj = self.api.get(info, namespace, assert_name)
+                return _json_response(self.api.get_scale(info, namespace, object_name))
+            obj = self.api.get(info, namespace, object_name)
             return self._object_response(info, obj, accept, params)
         if verb == "create":
             new_obj = self.api.create(info, namespace, _parse_body(body, content_type), manager=manager)
@@ -192,7 +192,7 @@ class HttpFrontend:
             updated = self.api.replace(
                 info,
                 namespace,
-                assert_name,
+                object_name,
                 _parse_body(body, content_type),
                 subresource=target.subresource,
                 manager=manager,
@@ -210,7 +210,7 @@ class HttpFrontend:
             patched_obj, created = self.api.patch(
                 info,
                 namespace,
-                assert_name,
+                object_name,
                 kind,
                 _parse_body(body, content_type),
                 subresource=target.subresource,
@@ -224,7 +224,7 @@ class HttpFrontend:
             deleted = self.api.delete(
                 info,
                 namespace,
-                assert_name,
+                object_name,
                 propagation=propagation,
                 preconditions=options.get("preconditions"),
             )

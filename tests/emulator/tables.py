@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import datetime
+import json
 import re
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -112,8 +113,6 @@ def _cell(obj: Mapping[str, Any], column: PrinterColumn, now: datetime.datetime)
     if column.type == "boolean" and isinstance(value, bool):
         return value
     if isinstance(value, (dict, list)):
-        import json
-
         return json.dumps(value, separators=(",", ":"))
     return str(value) if not isinstance(value, bool) else ("true" if value else "false")
 
