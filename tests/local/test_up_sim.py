@@ -90,3 +90,17 @@ def test_exit_after_stops_by_itself(tmp_path: Path) -> None:
     up = start_up("--engine", "sim", "-f", AGGREGATED, "--port", "0", "--exit-after", "0.5", run_dir=tmp_path)
     assert up.popen.wait(timeout=60) == 0, up.stderr()
     up.wait_for_line(re.compile(r"time limit: stopping"), seconds=5)
+
+
+def test_children_do_not_outlive_up_killed_outright(tmp_path: Path) -> None:
+    up = start_up("--engine", "sim", "-f", AGGREGATED, "--port", "0", run_dir=tmp_path)
+    try:
+        up.wait_for_line(ENDPOINT_LINE, seconds=60)
+        children = up.children()
+        assert len(children) >= 2
+        up.popen.kill()  # SIGKILL: no handler runs, only the kernel's parent-death signal
+        up.popen.wait(timeout=10)
+    finally:
+        if up.popen.poll() is None:
+            up.popen.kill()
+    assert _wait_gone(children, 30) == set()
