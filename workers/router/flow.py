@@ -17,7 +17,6 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-import aiohttp
 import orjson
 from aiohttp import web
 
@@ -26,6 +25,7 @@ from splitserve.router.config import RouterConfig
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import RoutingRequest
 from splitserve.router.pool import Worker, WorkerPool
+from splitserve.router.upstream import UpstreamResponse
 
 log = logging.getLogger(__name__)
 
@@ -223,13 +223,14 @@ class Flow:
 
     async def _prefill_attempt(self, ctx: RequestContext, worker: Worker) -> dict[str, Any] | None:
         payload = orjson.dumps(prefill_body(ctx.body))
-        timeout = aiohttp.ClientTimeout(total=self._config.prefill_timeout, connect=self._config.connect_timeout)
         headers = {**ctx.forward_headers, "Content-Type": "application/json", "X-Request-Id": ctx.request_id}
+        limit = self._config.prefill_timeout
         try:
-            async with worker.session.post(worker.url + ctx.path, data=payload, headers=headers, timeout=timeout) as r:
+            response = await worker.http.post(ctx.path, payload, headers, limit, limit, time.monotonic() + limit)
+            async with response as r:
                 body = await r.read()
                 status = r.status
-        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        except (TimeoutError, OSError) as error:
             raise _Retriable(f"{type(error).__name__}: {error}") from None
         if status >= 500:
             raise _Retriable(f"HTTP {status}")
@@ -251,14 +252,14 @@ class Flow:
         with_kv = {**ctx.body, "kv_transfer_params": kv_params} if kv_params is not None else None
         payload = orjson.dumps(with_kv) if with_kv is not None else ctx.raw_body
         config = self._config
-        remaining = max(1.0, config.request_timeout - (time.monotonic() - ctx.started))
-        timeout = aiohttp.ClientTimeout(
-            total=remaining, connect=config.connect_timeout, sock_read=config.decode_timeout
-        )
+        deadline = ctx.started + config.request_timeout
         headers = {**ctx.forward_headers, "Content-Type": "application/json", "X-Request-Id": ctx.request_id}
         handoff_start = time.monotonic()
         try:
-            async with worker.session.post(worker.url + ctx.path, data=payload, headers=headers, timeout=timeout) as r:
+            response = await worker.http.post(
+                ctx.path, payload, headers, config.decode_timeout, config.decode_timeout, deadline
+            )
+            async with response as r:
                 if r.status >= 400:
                     body = await r.read()
                     if kv_params is not None and is_kv_error(body):
@@ -276,16 +277,16 @@ class Flow:
                         status=r.status,
                         body=body,
                         headers={
-                            "Content-Type": r.headers.get("Content-Type", "application/json"),
+                            "Content-Type": r.header("Content-Type", "application/json"),
                             "X-Request-Id": ctx.request_id,
                         },
                     )
-                first = await r.content.readany()
+                first = await r.readany()
                 if not first:
                     raise _Retriable("decode closed the stream before its first byte")
                 self._decode.record_success(worker)
                 return await self._relay(ctx, r, first, handoff_start, kv_params is not None, http_request, worker)
-        except (aiohttp.ClientError, TimeoutError, OSError) as error:
+        except (TimeoutError, OSError) as error:
             # Only reached before the client saw a byte: _relay handles its own failures.
             raise _Retriable(f"{type(error).__name__}: {error}") from None
 
@@ -304,7 +305,7 @@ class Flow:
     async def _relay(
         self,
         ctx: RequestContext,
-        upstream: aiohttp.ClientResponse,
+        upstream: UpstreamResponse,
         first: bytes,
         handoff_start: float,
         disaggregated: bool,
@@ -322,18 +323,17 @@ class Flow:
         except ConnectionResetError:
             raise ClientGone from None
         itl = metrics.itl
-        content = upstream.content
         chunk, last, tokens = first, now, 0
         while True:
             tokens += count_streamed_tokens(chunk)
-            if content.at_eof():
+            if upstream.at_eof():
                 # The upstream already ended: the last bytes and the end of the answer go in one write.
                 await _write_eof(response, chunk)
                 break
             await _write(response, chunk)
             try:
-                chunk = await content.readany()
-            except (aiohttp.ClientError, TimeoutError, OSError) as error:
+                chunk = await upstream.readany()
+            except (TimeoutError, OSError) as error:
                 # Headers are gone: the only honest answer left is an error event and a clean end.
                 self._decode.record_failure(worker)
                 ctx.outcome = Outcome.STREAM_ERROR

@@ -21,6 +21,7 @@ import aiohttp
 from splitserve.router import errors
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import KvAware, PrefixAware, RoutingPolicy, RoutingRequest
+from splitserve.router.upstream import HttpPool
 
 log = logging.getLogger(__name__)
 
@@ -50,10 +51,11 @@ class AdmissionBudget:
 class Worker:
     """One upstream worker: its connection pool and what the router knows about it."""
 
-    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession) -> None:
+    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession, http: HttpPool) -> None:
         self.url = url.rstrip("/")
         self.pool = pool
-        self.session = session
+        self.session = session  # probes and polls
+        self.http = http  # the request path
         self.state = WorkerState.HEALTHY
         self.inflight = 0
         self.consecutive_failures = 0
@@ -149,7 +151,7 @@ class WorkerPool:
         for url in ready_set | terminating_set:
             worker = self._workers.get(url)
             if worker is None:
-                worker = Worker(url, self.name, self._new_session())
+                worker = Worker(url, self.name, self._new_session(), HttpPool(url, self._connect_timeout))
                 self._workers[url] = worker
                 log.info("%s worker added: %s", self.name, url)
             if url in terminating_set:
@@ -181,7 +183,7 @@ class WorkerPool:
         )
 
     def _close_later(self, worker: Worker) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(worker.session.close())
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_close_worker(worker))
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
 
@@ -336,8 +338,13 @@ class WorkerPool:
             await asyncio.sleep(min(self._health_interval, self._poll_interval) if poll else self._health_interval)
 
     async def close(self) -> None:
-        for worker in self._workers.values():
-            await worker.session.close()
+        for worker in [*self._workers.values(), *self.departing]:
+            await _close_worker(worker)
         self._workers.clear()
         for task in list(self._tasks):
             await task
+
+
+async def _close_worker(worker: Worker) -> None:
+    await worker.http.close()
+    await worker.session.close()

@@ -1,0 +1,301 @@
+"""A lean HTTP/1.1 client for the two upstream calls of every request (prefill leg, decode leg).
+
+Why not aiohttp's client here: it was most of the router's CPU per request (request/response
+objects, tracing hooks, cookie and redirect machinery the router never uses). This client does one
+``write`` per request on a kept-alive connection from a small per-worker pool, parses the status
+line and headers with ``bytes`` methods, and frames the body by Content-Length, chunked encoding or
+connection close. Health probes and /metrics polls keep using aiohttp, where cost does not matter.
+
+Errors are ``UpstreamError`` (a ``ConnectionError``, so an ``OSError``) or ``TimeoutError``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from types import TracebackType
+from urllib.parse import urlsplit
+
+
+class UpstreamError(ConnectionError):
+    """The upstream connection failed or the answer was not valid HTTP/1.1."""
+
+
+class _Connection(asyncio.Protocol):
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self.transport: asyncio.Transport | None = None
+        self.buffer = bytearray()
+        self.closed = False
+        self.idle_since = 0.0
+        self._waiter: asyncio.Future[None] | None = None
+
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        self.transport = transport  # type: ignore[assignment]  # uvloop's TCP transport is not a subclass
+
+    def data_received(self, data: bytes) -> None:
+        self.buffer += data
+        self._wake()
+
+    def eof_received(self) -> bool:
+        self.closed = True
+        self._wake()
+        return False
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self.closed = True
+        self._wake()
+
+    def _wake(self) -> None:
+        waiter = self._waiter
+        if waiter is not None and not waiter.done():
+            waiter.set_result(None)
+
+    async def wait_data(self, seconds: float) -> None:
+        """Until more bytes arrive or the connection closes; TimeoutError after ``seconds``."""
+        if self.closed:
+            raise UpstreamError("upstream closed the connection")
+        waiter = self._loop.create_future()
+        self._waiter = waiter
+        timer = self._loop.call_later(seconds, _expire, waiter)
+        try:
+            await waiter
+        finally:
+            timer.cancel()
+            self._waiter = None
+
+    def close(self) -> None:
+        self.closed = True
+        if self.transport is not None:
+            self.transport.close()
+
+
+def _expire(waiter: asyncio.Future[None]) -> None:
+    if not waiter.done():
+        waiter.set_exception(TimeoutError())
+
+
+class UpstreamResponse:
+    """An answer being read; use as an async context manager so the connection goes back or closes."""
+
+    def __init__(
+        self,
+        pool: HttpPool,
+        conn: _Connection,
+        status: int,
+        headers: dict[bytes, bytes],
+        read_timeout: float,
+        deadline: float,
+    ) -> None:
+        self.status = status
+        self.headers = headers
+        self._pool = pool
+        self._conn = conn
+        self._timeout = read_timeout
+        self._deadline = deadline
+        self._done = False
+        self._keep_alive = headers.get(b"connection", b"").lower() != b"close"
+        length = headers.get(b"content-length")
+        self._chunked = b"chunked" in headers.get(b"transfer-encoding", b"").lower()
+        self._remaining = int(length) if length is not None and not self._chunked else -1
+        if self._remaining == 0 or status in (204, 304):
+            self._done = True
+        elif self._remaining < 0 and not self._chunked:
+            self._keep_alive = False  # body ends when the connection does
+
+    def header(self, name: str, default: str = "") -> str:
+        return self.headers.get(name.lower().encode(), default.encode()).decode("latin-1")
+
+    def at_eof(self) -> bool:
+        if not self._done and self._chunked:
+            # The terminating chunk may already be buffered: then nothing more will come.
+            self._done = bytes(self._conn.buffer[:5]) == b"0\r\n\r\n"
+            if self._done:
+                del self._conn.buffer[:5]
+        return self._done
+
+    async def readany(self) -> bytes:
+        """The next piece of the body (chunk framing removed); b"" once the body is complete."""
+        if self._done:
+            return b""
+        conn = self._conn
+        if self._chunked:
+            return await self._read_chunk(conn)
+        while not conn.buffer:
+            if conn.closed:
+                if self._remaining < 0:
+                    self._done = True
+                    return b""
+                raise UpstreamError("upstream closed the connection mid-body")
+            await conn.wait_data(self._wait_budget())
+        if self._remaining < 0:
+            data = bytes(conn.buffer)
+            conn.buffer.clear()
+            return data
+        data = bytes(conn.buffer[: self._remaining])
+        del conn.buffer[: len(data)]
+        self._remaining -= len(data)
+        if self._remaining == 0:
+            self._done = True
+        return data
+
+    async def _read_chunk(self, conn: _Connection) -> bytes:
+        pieces: list[bytes] = []
+        while True:
+            buffer = conn.buffer
+            line_end = buffer.find(b"\r\n")
+            if line_end >= 0:
+                try:
+                    size = int(bytes(buffer[:line_end]).split(b";", 1)[0], 16)
+                except ValueError:
+                    raise UpstreamError("bad chunk size from upstream") from None
+                if size == 0:
+                    trailer_end = buffer.find(b"\r\n\r\n", line_end)
+                    if trailer_end == line_end:
+                        del buffer[: line_end + 4]
+                        self._done = True
+                        return b"".join(pieces)
+                    if trailer_end >= 0:
+                        del buffer[: trailer_end + 4]
+                        self._done = True
+                        return b"".join(pieces)
+                elif len(buffer) >= line_end + 2 + size + 2:
+                    start = line_end + 2
+                    pieces.append(bytes(buffer[start : start + size]))
+                    del buffer[: start + size + 2]
+                    continue  # take every complete chunk already here
+            if pieces:
+                return b"".join(pieces)
+            await conn.wait_data(self._wait_budget())
+
+    def _wait_budget(self) -> float:
+        """Longest wait for the next bytes: the read timeout, cut short by the request's deadline."""
+        remaining = self._deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        return min(self._timeout, remaining)
+
+    async def read(self) -> bytes:
+        parts: list[bytes] = []
+        while True:
+            part = await self.readany()
+            if not part and self._done:
+                return b"".join(parts)
+            parts.append(part)
+
+    async def __aenter__(self) -> UpstreamResponse:
+        return self
+
+    async def __aexit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.release()
+
+    def release(self) -> None:
+        """Back to the pool when the body was read whole on a keep-alive connection, else closed
+        (closing is also how an abandoned upstream request is cancelled)."""
+        if self._done and self._keep_alive and not self._conn.closed and not self._conn.buffer:
+            self._pool.give_back(self._conn)
+        else:
+            self._conn.close()
+
+
+class HttpPool:
+    """Kept-alive connections to one upstream ``http://host:port``."""
+
+    def __init__(self, base_url: str, connect_timeout: float, keepalive_seconds: float = 4.0) -> None:
+        parts = urlsplit(base_url)
+        if parts.scheme != "http" or parts.hostname is None:
+            raise ValueError(f"upstream must be http://host:port, got {base_url!r}")
+        self._host = parts.hostname
+        self._port = parts.port or 80
+        self._host_header = parts.netloc.encode()
+        self._connect_timeout = connect_timeout
+        self._keepalive = keepalive_seconds
+        self._idle: list[_Connection] = []
+        self.closed = False
+
+    def give_back(self, conn: _Connection) -> None:
+        if self.closed:
+            conn.close()
+            return
+        conn.idle_since = time.monotonic()
+        self._idle.append(conn)
+
+    def _take_idle(self) -> _Connection | None:
+        now = time.monotonic()
+        while self._idle:
+            conn = self._idle.pop()
+            if not conn.closed and now - conn.idle_since < self._keepalive:
+                return conn
+            conn.close()
+        return None
+
+    async def _connect(self) -> _Connection:
+        loop = asyncio.get_running_loop()
+        try:
+            async with asyncio.timeout(self._connect_timeout):
+                _, conn = await loop.create_connection(lambda: _Connection(loop), self._host, self._port)
+        except OSError as error:
+            raise UpstreamError(f"cannot connect to {self._host}:{self._port}: {error}") from None
+        return conn
+
+    async def post(
+        self,
+        path: str,
+        body: bytes,
+        headers: dict[str, str],
+        first_byte_timeout: float,
+        read_timeout: float,
+        deadline: float,
+    ) -> UpstreamResponse:
+        """Send a POST and read the status line and headers; the body is read from the response."""
+        head = [b"POST ", path.encode(), b" HTTP/1.1\r\nHost: ", self._host_header, b"\r\nContent-Length: ",
+                str(len(body)).encode(), b"\r\n"]  # fmt: skip
+        for name, value in headers.items():
+            head += [name.encode(), b": ", value.encode("latin-1"), b"\r\n"]
+        head.append(b"\r\n")
+        request = b"".join(head) + body
+        conn = self._take_idle()
+        reused = conn is not None
+        if conn is None:
+            conn = await self._connect()
+        try:
+            return await self._exchange(conn, request, first_byte_timeout, read_timeout, deadline)
+        except UpstreamError:
+            if not reused:
+                raise
+        # A kept-alive connection the server had just closed: once more on a fresh one.
+        return await self._exchange(await self._connect(), request, first_byte_timeout, read_timeout, deadline)
+
+    async def _exchange(
+        self, conn: _Connection, request: bytes, first_byte_timeout: float, read_timeout: float, deadline: float
+    ) -> UpstreamResponse:
+        try:
+            assert conn.transport is not None
+            conn.transport.write(request)
+            buffer = conn.buffer
+            while True:
+                end = buffer.find(b"\r\n\r\n")
+                if end >= 0:
+                    break
+                await conn.wait_data(max(0.001, min(first_byte_timeout, deadline - time.monotonic())))
+            lines = bytes(buffer[:end]).split(b"\r\n")
+            del buffer[: end + 4]
+            status_parts = lines[0].split(b" ", 2)
+            if len(status_parts) < 2 or not status_parts[0].startswith(b"HTTP/1."):
+                raise UpstreamError(f"not an HTTP/1.1 answer: {lines[0][:80]!r}")
+            headers: dict[bytes, bytes] = {}
+            for line in lines[1:]:
+                name, _, value = line.partition(b":")
+                headers[name.strip().lower()] = value.strip()
+            return UpstreamResponse(self, conn, int(status_parts[1]), headers, read_timeout, deadline)
+        except BaseException:
+            conn.close()
+            raise
+
+    async def close(self) -> None:
+        self.closed = True
+        for conn in self._idle:
+            conn.close()
+        self._idle.clear()
