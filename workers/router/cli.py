@@ -20,8 +20,9 @@ log = logging.getLogger("splitserve.router")
 def _urls(text: str) -> tuple[str, ...]:
     urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
     for url in urls:
-        if not url.startswith(("http://", "https://")):
-            raise argparse.ArgumentTypeError(f"not an http(s) URL: {url!r}")
+        if not url.startswith("http://"):
+            # Workers speak plain HTTP inside the cluster; the upstream client has no TLS.
+            raise argparse.ArgumentTypeError(f"not an http:// URL: {url!r}")
     return urls
 
 
