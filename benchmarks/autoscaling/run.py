@@ -26,6 +26,7 @@ import dataclasses
 import json
 import math
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -45,10 +46,10 @@ from splitserve.autoscaling.decision import AutoscalerState  # noqa: E402
 from splitserve.autoscaling.evaluate import evaluate  # noqa: E402
 from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable  # noqa: E402
 from splitserve.router.app import Router, build_app  # noqa: E402
-from splitserve.router.config import RouterConfig  # noqa: E402
+from splitserve.router.config import DiscoveryKind, RouterConfig  # noqa: E402
 from splitserve.router.discovery import UpdateCallback  # noqa: E402
 from splitserve.sim import Role, SimConfig, SimWorker  # noqa: E402
-from tests.support_prometheus import PrometheusServer, ScrapeTarget  # noqa: E402
+from tests.support_prometheus import PROMETHEUS_BINARY, PrometheusServer, ScrapeTarget  # noqa: E402
 
 NAMESPACE, NAME = "bench", "bench"
 POOLS = ("prefill", "decode")
@@ -347,6 +348,7 @@ class RunRecord:
     timeline: list[dict[str, float]] = field(default_factory=list)
     results: list[Result] = field(default_factory=list)
     decisions: list[dict[str, Any]] = field(default_factory=list)
+    evaluations: list[dict[str, Any]] = field(default_factory=list)
 
 
 async def run_policy(
@@ -354,8 +356,18 @@ async def run_policy(
 ) -> RunRecord:
     record = RunRecord(policy)
     discovery = PushDiscovery()
+    # Kubernetes-style discovery (so the router knows a prefill pool exists even while it is empty);
+    # the endpoints come from PushDiscovery, not from DNS.
     router_config = RouterConfig(
-        host="127.0.0.1", port=0, model="sim-model", health_interval=0.5, queue_timeout=60.0, request_timeout=120.0
+        host="127.0.0.1",
+        port=0,
+        model="sim-model",
+        discovery=DiscoveryKind.DNS,
+        prefill_service=f"{NAME}-prefill",
+        decode_service=f"{NAME}-decode",
+        health_interval=0.5,
+        queue_timeout=60.0,
+        request_timeout=120.0,
     )
     router = Router(router_config, discovery=discovery)
     runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
@@ -393,6 +405,7 @@ async def run_policy(
                 state = result.state
                 desired = result.desired
                 reasons = result.reasons
+                record.evaluations.append({"t": now, "reasons": reasons, "condition": result.condition.reason})
             elif policy == "keda-waiting":
                 try:
                     desired = await keda.decide(client, current, now)
@@ -575,6 +588,7 @@ def write_results(records: list[RunRecord], settings: Settings, out: Path) -> No
         details = {
             "summary": summary,
             "decisions": record.decisions,
+            "evaluations": record.evaluations,
             "timeline": record.timeline,
             "results": [dataclasses.asdict(r) for r in record.results],
         }
@@ -596,6 +610,14 @@ def main() -> int:
         choices=["builtin", "keda-waiting", "static-peak"],
     )
     args = parser.parse_args()
+    if shutil.which(PROMETHEUS_BINARY) is None:
+        print(f"error: needs the {PROMETHEUS_BINARY!r} binary (apt-get install prometheus)", file=sys.stderr)
+        return 2
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        print("error: needs matplotlib for the plots (pip install matplotlib)", file=sys.stderr)
+        return 2
     settings = Settings(duration_s=args.duration, seed=args.seed)
     with tempfile.TemporaryDirectory(prefix="splitserve-bench-") as tmp:
         records = asyncio.run(run_all(settings, args.policies, Path(tmp)))

@@ -7,7 +7,7 @@ from dataclasses import replace
 from typing import Any
 
 import pytest
-from hypothesis import HealthCheck, assume, given, settings
+from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import InferenceDeploymentSpec
@@ -89,6 +89,10 @@ def test_prefill_scales_on_backlog_and_ttft() -> None:
     spec = make_spec()
     backlog = run(spec, {"prefill": 1, "decode": 1}, prefill=replace(IDLE_PREFILL, waiting=3, router_queue=9))
     assert backlog.desired["prefill"] == 3  # 12 / 4
+    # Prompts vLLM admitted into "running" are still unanswered on a prefill worker.
+    running = run(spec, {"prefill": 1, "decode": 1}, prefill=replace(IDLE_PREFILL, running=20))
+    assert running.desired["prefill"] == 5
+    assert "prompts=20 (target 4/replica → 5)" in running.reasons["prefill"]
     ttft = run(spec, {"prefill": 2, "decode": 1}, prefill=replace(IDLE_PREFILL, ttft_p90=1.5))
     assert ttft.desired["prefill"] == 3  # ceil(2 * 1.5)
     assert "ttft_p90=1.5s" in ttft.reasons["prefill"]
@@ -182,6 +186,30 @@ def test_bounds_win_over_the_step_limit() -> None:
     spec = make_spec(decode=(1, 3), maxStep=1)
     decision = run(spec, {"prefill": 1, "decode": 9}, decode=None)
     assert decision.desired["decode"] == 3
+
+
+def test_flap_guard_keeps_a_size_that_was_overloaded_until_the_load_drops() -> None:
+    spec = make_spec(scaleDownStabilizationSeconds=60, tolerance=0.1)
+    # At 2 replicas, 12 unanswered prompts against 4 per replica: overloaded, scale up to 3.
+    state = run(spec, {"prefill": 2, "decode": 1}, prefill=replace(IDLE_PREFILL, running=12), now=0).state
+    guard = state.guard("prefill")
+    assert guard is not None and guard.floor == 3 and guard.reference is None
+    # At 3 the queue has drained to 5 prompts: alone that proposes 2, but 2 was overloaded.
+    light = replace(IDLE_PREFILL, running=5)
+    for t in range(15, 300, 15):
+        decision = run(spec, {"prefill": 3, "decode": 1}, prefill=light, state=state, now=t)
+        state = decision.state
+        assert decision.desired["prefill"] == 3, decision.reasons["prefill"]
+    assert "flap guard keeps ≥ 3" in decision.reasons["prefill"]
+    guard = state.guard("prefill")
+    assert guard is not None and guard.reference == pytest.approx(5 / 12)
+    # The load at this size falls by more than the tolerance: the guard lets go, and 2 is allowed.
+    lighter = replace(IDLE_PREFILL, running=3)
+    for t in range(300, 420, 15):
+        decision = run(spec, {"prefill": 3, "decode": 1}, prefill=lighter, state=state, now=t)
+        state = decision.state
+    assert decision.desired["prefill"] == 1
+    assert state.guard("prefill") is None
 
 
 def test_state_round_trips_through_json() -> None:
@@ -393,9 +421,13 @@ def plant(demand: float, prompt_rate: float, kv_per_seq: float, replicas: dict[s
     demand=st.floats(0, 600),
     prompt_rate=st.floats(0, 20),
     kv_per_seq=st.floats(0.001, 0.03),
+    # Tolerance 0 too: in this plant the prefill queue jumps as replicas go (2 → 3 → 2 ...); the
+    # flap guard, not the band, is what keeps that from repeating every scale-down window.
     tolerance=st.sampled_from([0.0, 0.05, 0.1, 0.2]),
     start=st.fixed_dictionaries({"prefill": st.integers(1, 12), "decode": st.integers(1, 12)}),
 )
+# Found by hypothesis before the flap guard: the prefill pool went 3 → 2 → 3 every scale-down window.
+@example(demand=0.0, prompt_rate=5.0, kv_per_seq=0.015625, tolerance=0.05, start={"prefill": 1, "decode": 1})
 def test_steady_load_settles_and_never_flaps(
     demand: float, prompt_rate: float, kv_per_seq: float, tolerance: float, start: dict[str, int]
 ) -> None:

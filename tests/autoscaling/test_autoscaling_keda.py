@@ -158,10 +158,14 @@ def test_scaled_objects_per_pool_validate_and_carry_targets() -> None:
     assert decode_triggers["itl-p90"]["metricType"] == "Value"
     assert 'role="decode"' in decode_triggers["running"]["metadata"]["query"]
     prefill_triggers = by_name(prefill["spec"]["triggers"])
-    assert set(prefill_triggers) == {"backlog", "ttft-p90"}
-    # Scale from zero: the backlog trigger activates on anything above 0.
-    assert prefill_triggers["backlog"]["metadata"]["activationThreshold"] == "0"
-    assert 'pool="prefill"' in prefill_triggers["backlog"]["metadata"]["query"]
+    assert set(prefill_triggers) == {"prompts", "ttft-p90"}
+    # Scale from zero: the prompts trigger activates on anything above 0.
+    assert prefill_triggers["prompts"]["metadata"]["activationThreshold"] == "0"
+    assert 'pool="prefill"' in prefill_triggers["prompts"]["metadata"]["query"]
+    assert (
+        'vllm:num_requests_running{namespace="serving",deployment="llama",role="prefill"}'
+        in (prefill_triggers["prompts"]["metadata"]["query"])
+    )
 
 
 def test_keda_uses_the_same_promql_as_the_builtin_loop_including_overrides() -> None:

@@ -206,4 +206,4 @@ async def test_keda_trigger_queries_run_on_prometheus(
                 t["name"]: await client.query_scalar(t["metadata"]["query"]) for t in obj["spec"]["triggers"]
             }
     assert values["decode"] == {"backlog": 8, "running": 8, "kv-cache-usage": 0.1, "itl-p90": 0}
-    assert values["prefill"] == {"backlog": 2, "ttft-p90": 0}
+    assert values["prefill"] == {"prompts": 2, "ttft-p90": 0}

@@ -12,8 +12,10 @@ and targets plus the prefill TTFT SLO). How one pool's size is chosen (in this o
    newest worker sample older than `stale_after_seconds`. A held pool keeps its size (only clamped into
    [minReplicas, maxReplicas]) and adds nothing to the history.
 2. **Proposals**, one per signal, each like a Kubernetes HPA metric:
-   - load totals (prefill: backlog = router queue + vLLM waiting, target `waitingPerReplica`;
-     decode: running, target `runningPerReplica`, and backlog, target `waitingPerReplica`):
+   - load totals (prefill: prompts not yet answered = router queue + vLLM waiting + vLLM running,
+     target `waitingPerReplica` — vLLM admits prompts into "running" and works through them by
+     chunked prefill, so on a prefill worker running prompts are queued work too; decode: running,
+     target `runningPerReplica`, and backlog = router queue + waiting, target `waitingPerReplica`):
      `ceil(total / target)` — HPA's AverageValue;
    - decode KV cache usage (mean over replicas), target `kvCacheUsage`: `ceil(current * usage / target)`
      — HPA's Utilization;
@@ -24,14 +26,19 @@ and targets plus the prefill TTFT SLO). How one pool's size is chosen (in this o
      pessimistic, and a scale-down it allows does not bounce back up. Above the SLO it grows the
      pool proportionally (it cannot help when the floor alone exceeds the SLO: prompts too long
      for the TTFT target; the pool then goes to maxReplicas and diagnosis should say why).
-   A proposal whose ratio to the current size is within ±tolerance proposes `current` (the
-   tolerance band: a steady load sitting on a threshold never flips the size).
+   A proposal whose value/target ratio is within ±tolerance proposes `current` (the tolerance
+   band: a steady load sitting on a threshold never flips the size). Below the band a signal
+   proposes the size at which it would sit at the band's bottom, target*(1-tolerance), not at the
+   target itself (hysteresis: after a scale-down the value rises by the removed share and must
+   still be inside the band, or the next evaluation would scale straight back up).
    The recommendation is the largest proposal, clamped into [minReplicas, maxReplicas].
 3. **Stabilization** (HPA's algorithm): up = min of the recommendations over the scale-up window,
    down = max over the scale-down window; grow to `up` if below it, shrink to `down` if above it.
    Fast up (window 0 by default), slow down (300 s by default).
 4. **Prefill:decode ratio bounds** (disaggregated, optional): the smaller side is raised (never
    lowered: that could drop capacity the load needs) until min ≤ prefill/decode ≤ max.
+   Then the **flap guard** (see `FlapGuard`): after a load-driven scale-up from size s, the pool
+   does not go back to s until its load at the new size has fallen by more than the tolerance.
 5. **Step limit**: at most `maxStep` replicas added or removed per decision.
 6. **Scale from zero**: a pool at 0 with a backlog (router queue or waiting) > 0 gets at least 1.
 7. Final clamp into [minReplicas, maxReplicas] (bounds always hold, even over the step limit).
@@ -67,10 +74,30 @@ class Recommendation:
 
 
 @dataclass(frozen=True)
+class FlapGuard:
+    """After a load-driven scale-up from `floor - 1`, that size is known to be too small.
+
+    The pool stays at `floor` or above until its load *at this size* falls by more than the
+    tolerance below `reference`, the load measured here once the scale-down window has passed
+    since `since` (the new replicas have had time to start and the queue to drain). Without it a
+    queue that grows faster than linearly as replicas are removed makes "scale down, overload,
+    scale up" repeat every scale-down window at a perfectly steady load.
+    """
+
+    floor: int
+    since: float
+    reference: float | None = None
+
+
+@dataclass(frozen=True)
 class AutoscalerState:
-    """Recommendation history per pool: the only memory the decision has. Immutable; JSON-serialisable."""
+    """Recommendation history and flap guards per pool: the only memory the decision has.
+
+    Immutable; JSON-serialisable (`to_json` / `from_json`).
+    """
 
     history: tuple[tuple[str, tuple[Recommendation, ...]], ...] = ()
+    guards: tuple[tuple[str, FlapGuard], ...] = ()
 
     def entries(self, pool: str) -> tuple[Recommendation, ...]:
         for name, entries in self.history:
@@ -78,11 +105,18 @@ class AutoscalerState:
                 return entries
         return ()
 
+    def guard(self, pool: str) -> FlapGuard | None:
+        for name, guard in self.guards:
+            if name == pool:
+                return guard
+        return None
+
     def to_json(self) -> str:
         return json.dumps(
             {
                 "version": STATE_VERSION,
                 "history": {pool: [[r.time, r.replicas] for r in entries] for pool, entries in self.history},
+                "guards": {pool: [g.floor, g.since, g.reference] for pool, g in self.guards},
             },
             separators=(",", ":"),
             sort_keys=True,
@@ -99,9 +133,13 @@ class AutoscalerState:
                 (str(pool), tuple(Recommendation(float(t), int(n)) for t, n in entries))
                 for pool, entries in sorted(raw["history"].items())
             )
-        except (AttributeError, KeyError, TypeError, json.JSONDecodeError) as exc:
+            guards = tuple(
+                (str(pool), FlapGuard(int(floor), float(since), None if ref is None else float(ref)))
+                for pool, (floor, since, ref) in sorted(raw.get("guards", {}).items())
+            )
+        except (AttributeError, KeyError, TypeError, ValueError, json.JSONDecodeError) as exc:
             raise ValueError(f"not an autoscaler state: {exc}") from exc
-        return cls(history)
+        return cls(history, guards)
 
     @classmethod
     def from_json_or_empty(cls, text: str | None) -> AutoscalerState:
@@ -164,6 +202,7 @@ class Decision:
 class _Proposal:
     replicas: int
     text: str
+    ratio: float  # value / (target for the current size): the load the flap guard compares
 
 
 def _ceil(x: float) -> int:
@@ -178,30 +217,48 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
 
 
+def _proportional(ratio: float, current: int, tolerance: float, growth_cap: float = math.inf) -> int:
+    """HPA's rule with a hysteresis band: value/target within ±tolerance keeps the size; above it
+    grows to where the value would meet the target; below it shrinks only to where the value would
+    sit at the bottom of the band (1 - tolerance), so the next evaluation does not grow it back."""
+    if _within(ratio, tolerance):
+        return current
+    if ratio > 1.0:
+        return _ceil(current * min(ratio, growth_cap))
+    return _ceil(current * ratio / (1.0 - tolerance))
+
+
 def _average_value(label: str, total: float, target: float, current: int, tolerance: float) -> _Proposal:
-    in_band = current > 0 and _within(total / (target * current), tolerance)
-    replicas = current if in_band else _ceil(total / target)
-    return _Proposal(replicas, f"{label}={_fmt(total)} (target {_fmt(target)}/replica → {replicas})")
+    if current > 0:
+        ratio = total / (target * current)
+        replicas = _proportional(ratio, current, tolerance)
+    else:
+        ratio = math.inf if total > 0 else 0.0
+        replicas = _ceil(total / target)
+    return _Proposal(replicas, f"{label}={_fmt(total)} (target {_fmt(target)}/replica → {replicas})", ratio)
 
 
 def _utilization(label: str, usage: float, target: float, current: int, tolerance: float) -> _Proposal | None:
     if current <= 0:
         return None
-    ratio = usage / target
-    replicas = current if _within(ratio, tolerance) else _ceil(current * ratio)
-    return _Proposal(replicas, f"{label}={_fmt(usage)} (target {_fmt(target)} → {replicas})")
+    replicas = _proportional(usage / target, current, tolerance)
+    return _Proposal(replicas, f"{label}={_fmt(usage)} (target {_fmt(target)} → {replicas})", usage / target)
 
 
 def _latency(label: str, seconds: float, slo: float, current: int, tolerance: float) -> _Proposal | None:
     if current <= 0:
         return None
-    ratio = seconds / slo
-    replicas = current if _within(ratio, tolerance) else _ceil(current * min(ratio, LATENCY_MAX_GROWTH))
-    return _Proposal(replicas, f"{label}={_fmt(seconds)}s (SLO {_fmt(slo)}s → {replicas})")
+    replicas = _proportional(seconds / slo, current, tolerance, LATENCY_MAX_GROWTH)
+    return _Proposal(replicas, f"{label}={_fmt(seconds)}s (SLO {_fmt(slo)}s → {replicas})", seconds / slo)
 
 
 def _backlog(signals: PoolSignals) -> float:
     return (signals.router_queue or 0.0) + (signals.waiting or 0.0)
+
+
+def _prompt_backlog(signals: PoolSignals) -> float:
+    """A prefill pool's unanswered prompts: a prefill worker holds a request only until its first token."""
+    return _backlog(signals) + (signals.running or 0.0)
 
 
 def stale_after_seconds(spec: InferenceDeploymentSpec) -> float:
@@ -235,7 +292,9 @@ def proposals(pool: Pool, spec: InferenceDeploymentSpec, current: int, signals: 
     tol = autoscaling.tolerance
     out: list[_Proposal | None] = []
     if pool == "prefill":
-        out.append(_average_value("backlog", _backlog(signals), autoscaling.prefill.waiting_per_replica, current, tol))
+        out.append(
+            _average_value("prompts", _prompt_backlog(signals), autoscaling.prefill.waiting_per_replica, current, tol)
+        )
     else:
         targets = autoscaling.decode
         out.append(_average_value("running", signals.running or 0.0, targets.running_per_replica, current, tol))
@@ -293,6 +352,7 @@ def decide(
     down_window = float(autoscaling.scale_down_stabilization_seconds)
     keep = max(up_window, down_window)
     new_history: dict[str, tuple[Recommendation, ...]] = {name: entries for name, entries in state.history}
+    new_guards: dict[str, FlapGuard | None] = {name: guard for name, guard in state.guards}
 
     pools: list[_Working] = []
     for pool in autoscaled_pools(spec):
@@ -310,7 +370,7 @@ def decide(
             work.texts.append(f"{why_not} → hold")
             new_history[pool] = tuple(r for r in state.entries(pool) if r.time >= now - keep)
             continue
-        work.backlog = _backlog(pool_signals)
+        work.backlog = _prompt_backlog(pool_signals) if pool == "prefill" else _backlog(pool_signals)
         props = proposals(pool, spec, now_replicas, pool_signals)
         work.texts.extend(p.text for p in props)
         raw = max((p.replicas for p in props), default=now_replicas)
@@ -329,6 +389,11 @@ def decide(
             work.notes.append(f"scale-down window keeps {value} (max over {down_window:.0f}s)")
         elif value < recommendation:
             work.notes.append(f"scale-up window keeps {value} (min over {up_window:.0f}s)")
+        pressure = max((p.ratio for p in props), default=0.0)
+        guard, value = _apply_guard(
+            state.guard(pool), work, value, recommendation, pressure, now, down_window, autoscaling.tolerance
+        )
+        new_guards[pool] = guard
         work.value = value
 
     _apply_ratio(spec, pools)
@@ -360,7 +425,36 @@ def decide(
         for w in pools
     )
     history = tuple(sorted((name, entries) for name, entries in new_history.items() if entries))
-    return Decision(AutoscalerState(history), decisions)
+    guards = tuple(sorted((name, g) for name, g in new_guards.items() if g is not None))
+    return Decision(AutoscalerState(history, guards), decisions)
+
+
+def _apply_guard(
+    guard: FlapGuard | None,
+    work: _Working,
+    value: int,
+    recommendation: int,
+    pressure: float,
+    now: float,
+    down_window: float,
+    tolerance: float,
+) -> tuple[FlapGuard | None, int]:
+    """Update this pool's FlapGuard and keep the stabilized size at or above its floor."""
+    current = work.current
+    if guard is not None and current >= guard.floor:
+        if guard.reference is None:
+            if now - guard.since >= down_window:
+                guard = FlapGuard(guard.floor, guard.since, pressure)
+        elif pressure < guard.reference * (1.0 - tolerance):
+            work.notes.append(f"flap guard released: load {_fmt(pressure)} < {_fmt(guard.reference)} at {current}")
+            guard = None
+    if guard is not None and value < guard.floor and value < current:
+        value = min(guard.floor, current)
+        work.notes.append(f"flap guard keeps ≥ {guard.floor} ({guard.floor - 1} was overloaded)")
+    if recommendation > current >= 1 and value > current:
+        floor = max(current + 1, guard.floor if guard is not None else 0)
+        guard = FlapGuard(floor, now)
+    return guard, value
 
 
 def _apply_ratio(spec: InferenceDeploymentSpec, pools: list[_Working]) -> None:

@@ -6,7 +6,7 @@ the same signals and targets as the built-in loop (signals.py), mapped onto HPA 
 ===================  =============================  ==========================================
 signal               target                         HPA/KEDA metric type
 ===================  =============================  ==========================================
-backlog              waitingPerReplica              AverageValue (total / replicas ≤ target)
+backlog / prompts    waitingPerReplica              AverageValue (total / replicas ≤ target)
 running (decode)     runningPerReplica              AverageValue
 kvCacheUsage         kvCacheUsage                   Value (HPA: ceil(replicas * value/target))
 ttftP90 / itlP90     ttftSloSeconds / itlSloSeconds Value
@@ -52,11 +52,12 @@ externalRules:
     resources: {overrides: {namespace: {resource: namespace}}}
 ```
 
-External metric names cannot contain ':', hence the `splitserve_*` names. The HPA's backlog is two
-metrics (vLLM waiting and the router queue, each against waitingPerReplica) because an adapter
-rule cannot add two series; the HPA takes the larger, so it reacts to the backlog a little later
-than KEDA and the built-in loop, which add them. `spec.autoscaling.queries` overrides apply to the
-KEDA triggers (they are PromQL) but not to the HPA (its PromQL lives in the adapter).
+External metric names cannot contain ':', hence the `splitserve_*` names. The HPA's backlog is
+separate metrics (vLLM waiting, the router queue and, for prefill, vLLM running, each against
+waitingPerReplica) because an adapter rule cannot add series of different names; the HPA takes the
+largest, so it reacts to a backlog later than KEDA and the built-in loop, which add them.
+`spec.autoscaling.queries` overrides apply to the KEDA triggers (they are PromQL) but not to the
+HPA (its PromQL lives in the adapter).
 """
 
 from __future__ import annotations
@@ -151,11 +152,10 @@ def keda_triggers(spec: InferenceDeploymentSpec, namespace: str, name: str, pool
     backlog = f"({_non_nan(query('routerQueue'))}) + ({_non_nan(query('waiting'))})"
     triggers: list[dict[str, Any]] = []
     if pool == "prefill":
-        triggers.append(
-            trigger(
-                "backlog", backlog, "AverageValue", autoscaling.prefill.waiting_per_replica, activationThreshold="0"
-            )
-        )
+        # On a prefill worker "running" prompts are still waiting for their first token (see decision.py).
+        prompts = f"{backlog} + ({_non_nan(query('running'))})"
+        target = autoscaling.prefill.waiting_per_replica
+        triggers.append(trigger("prompts", prompts, "AverageValue", target, activationThreshold="0"))
     else:
         decode = autoscaling.decode
         triggers.append(
@@ -229,6 +229,8 @@ def hpa_metrics(spec: InferenceDeploymentSpec, name: str, pool: Pool) -> list[di
         _external("splitserve_waiting", workers, "AverageValue", waiting_target),
         _external("splitserve_router_queue", router, "AverageValue", waiting_target),
     ]
+    if pool == "prefill":
+        metrics.append(_external("splitserve_running", workers, "AverageValue", waiting_target))
     if pool != "prefill":
         decode = autoscaling.decode
         metrics.append(_external("splitserve_running", workers, "AverageValue", decode.running_per_replica))
