@@ -88,9 +88,15 @@ def remove_path(obj: dict[str, Any], path: Path) -> None:
         current.pop(path[-1], None)
 
 
-def overlaps(a: Path, b: Path) -> bool:
-    shorter = min(len(a), len(b))
-    return a[:shorter] == b[:shorter]
+def related(owned: Path, path: Path, obj: Mapping[str, Any]) -> bool:
+    """Whether owning `owned` means owning (part of) `path` in obj.
+
+    Equal paths and fields inside `path` count; an ancestor counts only when it is atomic (a list or scalar):
+    owning the map `spec` itself (applied as `spec: {}`) says nothing about `spec.replicas`.
+    """
+    if owned[: len(path)] == path:
+        return True
+    return path[: len(owned)] == owned and not isinstance(value_at(obj, owned)[1], Mapping)
 
 
 def fields_v1(paths: Iterable[Path]) -> dict[str, Any]:
@@ -197,7 +203,7 @@ def record_update(
     entries = read_entries(old or {})
     changed = changed_paths(old, new, tracked)
     for entry in entries:
-        entry.paths = {path for path in entry.paths if not any(overlaps(path, c) for c in changed)}
+        entry.paths = {path for path in entry.paths if not any(related(path, c, new) for c in changed)}
     existing = {path for path in changed if value_at(new, path)[0]}
     if existing:
         mine = _entry_for(entries, manager, "Update", subresource, api_version, now)
@@ -226,8 +232,14 @@ def server_side_apply(
 
     conflicts: list[tuple[Path, str]] = []
     for path in sorted(applied_paths):
+        # An applied (empty) map merges into what is there: it competes only for the map itself.
+        applied_map = isinstance(value_at(applied, path)[1], Mapping)
         for entry in others:
-            owned = [owned for owned in entry.paths if overlaps(owned, path)]
+            owned = [
+                owned
+                for owned in entry.paths
+                if owned[: len(path)] == path[: len(owned)] and not (applied_map and len(owned) > len(path))
+            ]
             if owned and value_at(base, path) != value_at(applied, path):
                 conflicts.append((path, entry.manager))
                 if force:
@@ -239,7 +251,7 @@ def server_side_apply(
     for path in mine.paths - applied_paths:
         if any(applied_path[: len(path)] == path for applied_path in applied_paths):
             continue  # still applied, as the parent of what is applied now
-        if not any(any(overlaps(path, owned) for owned in entry.paths) for entry in others):
+        if not any(any(related(owned, path, base) for owned in entry.paths) for entry in others):
             remove_path(base, path)
 
     result: dict[str, Any] = _apply_merge(base, applied)
@@ -271,4 +283,4 @@ def _apply_merge(target: Any, applied: Any) -> Any:
 def owners_of(obj: Mapping[str, Any], dotted_path: str) -> list[str]:
     """Managers owning a field, e.g. owners_of(deployment, "spec.replicas") -> ["kubectl"]."""
     path = tuple(dotted_path.split("."))
-    return [entry.manager for entry in read_entries(obj) if any(overlaps(owned, path) for owned in entry.paths)]
+    return [entry.manager for entry in read_entries(obj) if any(related(owned, path, obj) for owned in entry.paths)]

@@ -9,7 +9,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.emulator import controllers, patching, rbac, selectors, tables
+from tests.emulator import controllers, managed_fields, patching, rbac, selectors, tables
 from tests.emulator.resources import PrinterColumn, ResourceInfo
 
 label_keys = st.sampled_from(["app", "tier", "zone", "team"])
@@ -225,3 +225,44 @@ def test_rbac_from_request_log() -> None:
     ]
     role = [{"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["*"]}]
     assert rbac.missing_permissions(used, role) == {rbac.Permission("apps", "deployments/status", "patch")}
+
+
+spec_fields = st.dictionaries(st.sampled_from(["replicas", "image", "port", "mode"]), st.integers(0, 3), max_size=4)
+
+
+def _track_all(path: managed_fields.Path) -> bool:
+    return managed_fields.track_main_resource(path, has_status_subresource=True)
+
+
+def _apply(current: dict[str, Any] | None, spec: dict[str, int], manager: str, *, force: bool = False) -> Any:
+    return managed_fields.server_side_apply(
+        current,
+        {"spec": spec},
+        manager=manager,
+        force=force,
+        subresource="",
+        api_version="v1",
+        now="t",
+        tracked=_track_all,
+    )
+
+
+@given(first=spec_fields, second=spec_fields)
+def test_reapply_by_one_manager_converges_to_the_last_config(first: dict[str, int], second: dict[str, int]) -> None:
+    result = _apply(_apply(None, first, "op"), second, "op")
+    assert result.get("spec", {}) == second
+    for field in second:
+        assert managed_fields.owners_of(result, f"spec.{field}") == ["op"]
+
+
+@given(config=spec_fields, replicas=st.integers(2, 9))  # a scale to the applied value changes nothing
+def test_fields_another_manager_took_survive_the_appliers_omission(config: dict[str, int], replicas: int) -> None:
+    applied = _apply(None, {**config, "replicas": 1}, "op")
+    scaled = dict(applied, spec={**applied["spec"], "replicas": replicas})
+    managed_fields.record_update(
+        applied, scaled, manager="hpa", subresource="scale", api_version="v1", now="t", tracked=_track_all
+    )
+    without_replicas = {key: value for key, value in config.items() if key != "replicas"}
+    result = _apply(scaled, without_replicas, "op")
+    assert result["spec"]["replicas"] == replicas
+    assert managed_fields.owners_of(result, "spec.replicas") == ["hpa"]

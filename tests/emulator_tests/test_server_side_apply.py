@@ -106,8 +106,15 @@ def test_update_takes_ownership_from_appliers(shared_client: EmulatorClient, fre
 
 
 def test_noop_apply_keeps_resource_version(shared_client: EmulatorClient, fresh_namespace: str) -> None:
-    first = shared_client.apply(deployment("d", fresh_namespace), field_manager="operator")
-    second = shared_client.apply(deployment("d", fresh_namespace), field_manager="operator")
+    # A ConfigMap: the fake controllers would write a Deployment's status between the two applies.
+    settings = {
+        "apiVersion": "v1",
+        "kind": "ConfigMap",
+        "metadata": {"name": "settings", "namespace": fresh_namespace},
+        "data": {"a": "b"},
+    }
+    first = shared_client.apply(settings, field_manager="operator")
+    second = shared_client.apply(settings, field_manager="operator")
     assert second["metadata"]["resourceVersion"] == first["metadata"]["resourceVersion"]
 
 

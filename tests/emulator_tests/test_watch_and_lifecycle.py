@@ -144,4 +144,9 @@ async def test_in_process_emulator_with_injected_faults() -> None:
             assert codes == [503, 503, 200]
             created = await client.post(path, json={"metadata": {"name": "a"}})
             assert created.status_code == 201
+            # An injected failure is the whole answer: the object is not stored behind the error.
+            # (No slice here: kmock's slices count matching requests since the start, incl. the POST above.)
+            emulator.handler[f"post {path}"] << 500
+            assert (await client.post(path, json={"metadata": {"name": "b"}})).status_code == 500
+            assert (await client.get(f"{path}/b")).status_code == 404
         assert emulator.api.get(emulator.api.registry.find("", "v1", "configmaps"), "default", "a")  # type: ignore[arg-type]
