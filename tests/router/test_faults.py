@@ -67,7 +67,10 @@ async def test_dead_prefill_worker_means_aggregated_fallback() -> None:
 async def test_failing_worker_is_ejected_then_readmitted() -> None:
     async with SimWorker(sim_config("aggregated")) as good, SimWorker(sim_config("aggregated")) as bad:
         bad.faults.status = 500
-        config = router_config(decode_urls=(good.url, bad.url), decode_policy="round-robin", eject_after_failures=2)
+        # Its /health stays 200: a backoff longer than the six requests keeps it out until we look.
+        config = router_config(
+            decode_urls=(good.url, bad.url), decode_policy="round-robin", eject_after_failures=2, eject_min_seconds=1.0
+        )
         async with running_router(config) as (router, url):
             for _ in range(6):
                 status, _, _ = await _post(url + "/v1/completions", COMPLETION)
@@ -77,7 +80,8 @@ async def test_failing_worker_is_ejected_then_readmitted() -> None:
             assert metric_value(router, "splitserve_router_retries_total", {"pool": "decode"}) == 2
             bad.faults.status = None  # healthy again (its /health never failed)
             await wait_until(
-                lambda: not metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "ejected"})
+                lambda: not metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "ejected"}),
+                within=10,
             )
             assert metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "healthy"}) == 2
             served_before = _served(bad)
