@@ -118,3 +118,21 @@ async def test_sigterm_stops_accepting_and_finishes_in_flight_streams() -> None:
             if process.returncode is None:
                 process.kill()
                 await process.wait()
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (
+            ("--discovery", "kubernetes", "--decode-service", "d", "--kubeconfig", "/no/such/kubeconfig"),
+            "kubernetes discovery",
+        ),
+        (("--decode", "http://d:1", "--tokenizer", "/no/such/tokenizer"), "cannot load tokenizer"),
+    ],
+)
+def test_environment_problems_are_one_line_and_exit_1(
+    argv: tuple[str, ...], message: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert cli.run(parse(*argv)) == 1
+    err = capsys.readouterr().err.strip()
+    assert message in err and "\n" not in err and "Traceback" not in err

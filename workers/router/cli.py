@@ -141,6 +141,24 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     await runner.cleanup()
 
 
+def _startup_problem(config: RouterConfig) -> str | None:
+    """What in the environment stops the router from starting (service account, kubeconfig,
+    tokenizer), found before serving so the user gets one line instead of a traceback."""
+    from splitserve.router.app import make_discovery
+    from splitserve.router.tokens import HuggingFaceTokenizer
+
+    try:
+        make_discovery(config)
+    except (RuntimeError, OSError, ValueError, KeyError, TypeError) as error:
+        return f"{config.discovery.value} discovery: {error}"
+    if config.tokenizer:
+        try:
+            HuggingFaceTokenizer(config.tokenizer)
+        except Exception as error:  # tokenizers raises plain Exception for a bad file
+            return f"cannot load tokenizer {config.tokenizer}: {error}"
+    return None
+
+
 def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
@@ -159,6 +177,10 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"splitserve router: error: {error}", file=sys.stderr)
         return 2
+    problem = _startup_problem(config)
+    if problem:
+        print(f"splitserve router: error: {problem}", file=sys.stderr)
+        return 1
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(serve(config))
