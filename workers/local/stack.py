@@ -26,7 +26,7 @@ from splitserve.local.plan import (
 )
 from splitserve.local.ports import PortAllocator
 from splitserve.local.requestlog import RequestLogFollower
-from splitserve.local.requests import example_commands, send_smoke_request
+from splitserve.local.smoke import example_commands, send_smoke_request
 from splitserve.local.supervisor import (
     Progress,
     RunningProcess,
