@@ -61,16 +61,18 @@ def test_watch_sees_live_events(shared_client: EmulatorClient, fresh_namespace: 
         with EmulatorClient(shared_client.base_url) as other:
             other.create(configmap("live", fresh_namespace))
 
+    since = str(shared_client.request("GET", "/emulator/health")["resourceVersion"])
     writer = threading.Thread(target=later)
     writer.start()
-    events = _watch(
-        shared_client,
+    with shared_client.http.stream(
+        "GET",
         f"/api/v1/namespaces/{fresh_namespace}/configmaps",
-        timeoutSeconds="2",
-        resourceVersion=str(shared_client.request("GET", "/emulator/health")["resourceVersion"]),
-    )
+        params={"watch": "true", "resourceVersion": since, "timeoutSeconds": "30"},
+    ) as response:
+        first_line = next(line for line in response.iter_lines() if line)  # arrives while the watch is open
     writer.join()
-    assert [(e["type"], e["object"]["metadata"]["name"]) for e in events] == [("ADDED", "live")]
+    event = json.loads(first_line)
+    assert (event["type"], event["object"]["metadata"]["name"]) == ("ADDED", "live")
 
 
 def test_watch_initial_events_end_with_a_bookmark(shared_client: EmulatorClient, fresh_namespace: str) -> None:
