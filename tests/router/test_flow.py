@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import logging
 import re
 from pathlib import Path
 
 import aiohttp
 import orjson
+import pytest
 
 from splitserve.sim import SimWorker
 from tests.router.conftest import metric_value, router_config, running_router, sim_config
@@ -181,3 +183,22 @@ async def test_metrics_endpoint_exposes_every_documented_name() -> None:
     assert f'splitserve_router_worker_inflight{{pool="decode",worker="{decode.url}"}} 0.0' in text
     assert 'splitserve_router_workers{pool="prefill",state="healthy"} 1.0' in text
     assert 'splitserve_router_queue_depth{pool="decode"} 0.0' in text
+
+
+async def test_one_json_log_record_per_request(caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level(logging.INFO, logger="splitserve.router.requests")
+    async with (
+        SimWorker(sim_config("prefill")) as prefill,
+        SimWorker(sim_config("decode")) as decode,
+        running_router(router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))) as (_, url),
+    ):
+        body = {"model": "sim-model", "prompt": "a b c d", "max_tokens": 3, "stream": True}
+        await _post(url + "/v1/completions", body, headers={"X-Request-Id": "log-me"})
+        await _post(url + "/v1/completions", {"model": "nope", "prompt": "x"})
+    records = [orjson.loads(r.getMessage()) for r in caplog.records if r.name == "splitserve.router.requests"]
+    assert len(records) == 2
+    ok, bad = records
+    assert ok["request_id"] == "log-me" and ok["status"] == 200 and ok["mode"] == "disaggregated"
+    assert (ok["prefill"], ok["decode"]) == (prefill.url, decode.url)
+    assert ok["completion_tokens"] == 3 and ok["ttft_s"] > 0
+    assert bad["status"] == 404 and bad["outcome"] == "client_error"

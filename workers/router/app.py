@@ -38,8 +38,34 @@ from splitserve.router.schema import validate_body
 from splitserve.router.tokens import HuggingFaceTokenizer, PromptMeasurer, Tokenizer
 
 log = logging.getLogger(__name__)
+# One JSON line per finished request (silence with --log-level warning); `splitserve up --verbose` reads it.
+request_log = logging.getLogger("splitserve.router.requests")
 
 _FORWARDED_HEADERS = ("Authorization",)
+
+
+def _request_record(
+    request: web.Request, ctx: RequestContext | None, outcome: Outcome, mode: Mode, status: int, elapsed: float
+) -> str:
+    record: dict[str, object] = {
+        "event": "request",
+        "request_id": ctx.request_id if ctx else request.headers.get("X-Request-Id"),
+        "path": request.path,
+        "status": status,
+        "outcome": outcome.value,
+        "mode": mode.value,
+        "duration_s": round(elapsed, 6),
+    }
+    if ctx is not None:
+        record.update(
+            prefill=ctx.prefill_url,
+            decode=ctx.decode_url,
+            fallback_reason=ctx.fallback_reason,
+            prompt_tokens=ctx.routing.prompt_tokens,
+            completion_tokens=ctx.completion_tokens,
+            ttft_s=None if ctx.ttft is None else round(ctx.ttft, 6),
+        )
+    return orjson.dumps(record).decode()
 
 
 def make_discovery(config: RouterConfig) -> Discovery:
@@ -198,6 +224,7 @@ class Router:
         self.active_requests += 1
         self._idle.clear()
         outcome, mode = Outcome.CLIENT_ERROR, Mode.NONE
+        status = 500
         try:
             if self.draining:
                 outcome = Outcome.REJECTED
@@ -224,19 +251,23 @@ class Router:
                 forward_headers=headers,
             )
             response = await self.flow.serve(ctx, request)
-            outcome, mode = ctx.outcome, ctx.mode
+            outcome, mode, status = ctx.outcome, ctx.mode, response.status
             return response
-        except errors.RouterError:
+        except errors.RouterError as error:
+            status = error.status
             if ctx is not None:
                 outcome, mode = ctx.outcome, ctx.mode
             raise
         except (asyncio.CancelledError, ClientGone):
-            outcome = Outcome.CANCELLED
+            outcome, status = Outcome.CANCELLED, 499
             mode = ctx.mode if ctx is not None else Mode.NONE
             raise
         finally:
+            elapsed = time.monotonic() - started
             self.metrics.requests.labels(outcome.value, mode.value).inc()
-            self.metrics.e2e.observe(time.monotonic() - started)
+            self.metrics.e2e.observe(elapsed)
+            if request_log.isEnabledFor(logging.INFO):
+                request_log.info(_request_record(request, ctx, outcome, mode, status, elapsed))
             self.active_requests -= 1
             if self.active_requests == 0:
                 self._idle.set()

@@ -74,6 +74,12 @@ class RequestContext:
     forward_headers: dict[str, str] = field(default_factory=dict)
     mode: Mode = Mode.NONE
     outcome: Outcome = Outcome.SUCCESS
+    # For the per-request log record.
+    prefill_url: str | None = None
+    decode_url: str | None = None
+    fallback_reason: str | None = None
+    ttft: float | None = None
+    completion_tokens: int | None = None
 
 
 class _Retriable(Exception):
@@ -143,12 +149,14 @@ class Flow:
             while True:
                 assert decode is not None
                 tried.add(decode.url)
+                ctx.decode_url = decode.url
                 try:
                     return await self._decode_attempt(ctx, decode, kv_params, http_request)
                 except _KvMissing:
                     # Not the worker's fault: run it aggregated on the same worker.
                     self._metrics.fallbacks.labels("decode_kv_error").inc()
                     ctx.mode = Mode.FALLBACK
+                    ctx.fallback_reason = "decode_kv_error"
                     kv_params = None
                 except _Retriable as failure:
                     self._decode.record_failure(decode)
@@ -197,6 +205,7 @@ class Flow:
             except errors.RouterError:
                 return self._fallback(ctx, "prefill_unavailable")
             tried.add(worker.url)
+            ctx.prefill_url = worker.url
             try:
                 params = await self._prefill_attempt(ctx, worker)
             except _Retriable as failure:
@@ -219,6 +228,7 @@ class Flow:
     def _fallback(self, ctx: RequestContext, reason: str) -> dict[str, Any] | None:
         self._metrics.fallbacks.labels(reason).inc()
         ctx.mode = Mode.FALLBACK
+        ctx.fallback_reason = reason
         return None
 
     async def _prefill_attempt(self, ctx: RequestContext, worker: Worker) -> dict[str, Any] | None:
@@ -299,6 +309,7 @@ class Flow:
             tokens = usage.get("completion_tokens")
             if isinstance(tokens, int):
                 self._metrics.output_tokens.observe(tokens)
+                ctx.completion_tokens = tokens
         except (orjson.JSONDecodeError, AttributeError):
             pass
 
@@ -314,7 +325,8 @@ class Flow:
     ) -> web.StreamResponse:
         metrics = self._metrics
         now = time.monotonic()
-        metrics.ttft.observe(now - ctx.started)
+        ctx.ttft = now - ctx.started
+        metrics.ttft.observe(ctx.ttft)
         if disaggregated:
             metrics.kv_handoff.observe(now - handoff_start)
         response = web.StreamResponse(status=upstream.status, headers={**_SSE_HEADERS, "X-Request-Id": ctx.request_id})
@@ -348,7 +360,8 @@ class Flow:
             now = time.monotonic()
             itl.observe(now - last)
             last = now
-        metrics.output_tokens.observe(max(0, tokens))
+        ctx.completion_tokens = max(0, tokens)
+        metrics.output_tokens.observe(ctx.completion_tokens)
         return response
 
 
