@@ -28,12 +28,14 @@ class _Connection(asyncio.Protocol):
         self.buffer = bytearray()
         self.closed = False
         self.idle_since = 0.0
+        self.answered = False  # any byte of an answer arrived on this connection since it was taken
         self._waiter: asyncio.Future[None] | None = None
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         self.transport = transport  # type: ignore[assignment]  # uvloop's TCP transport is not a subclass
 
     def data_received(self, data: bytes) -> None:
+        self.answered = True
         self.buffer += data
         self._wake()
 
@@ -260,11 +262,12 @@ class HttpPool:
         reused = conn is not None
         if conn is None:
             conn = await self._connect()
+        conn.answered = False
         try:
             return await self._exchange(conn, request, first_byte_timeout, read_timeout, deadline)
         except UpstreamError:
-            if not reused:
-                raise
+            if not reused or conn.answered:
+                raise  # a fresh connection failed, or the server had started answering: not stale
         # A kept-alive connection the server had just closed: once more on a fresh one.
         return await self._exchange(await self._connect(), request, first_byte_timeout, read_timeout, deadline)
 
