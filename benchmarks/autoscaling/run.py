@@ -247,7 +247,7 @@ def builtin_spec(settings: Settings) -> InferenceDeploymentSpec:
                 "scaleDownStabilizationSeconds": s.down_window_s,
                 "maxStep": s.max_step,
                 "tolerance": s.tolerance,
-                "prefill": {"waitingPerReplica": 2, "ttftSloSeconds": s.ttft_slo_s},
+                "prefill": {"waitingPerReplica": 3, "ttftSloSeconds": s.ttft_slo_s},
                 "decode": {
                     "runningPerReplica": 0.75 * s.decode_max_num_seqs,
                     "waitingPerReplica": 2,
