@@ -21,7 +21,9 @@ from tests.local.upctl import ENDPOINT_LINE, REPO, start_up
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
 
 READY_LINE = re.compile(r"\[\s*([\d.]+)s\] all (\d+) processes ready \((\d+) MiB resident\)")
-EXTERNAL_KV = re.compile(r'^vllm:prompt_tokens_by_source_total\{[^}]*source="external_kv_transfer"[^}]*\} (\S+)', re.M)
+DISAGGREGATED_SUCCESS = re.compile(
+    r'^splitserve_router_requests_total\{(?=[^}]*outcome="success")(?=[^}]*mode="disaggregated")[^}]*\} (\S+)', re.M
+)
 
 
 def _needs(module: str, why: str) -> None:
@@ -29,17 +31,10 @@ def _needs(module: str, why: str) -> None:
         pytest.skip(why)
 
 
-def _external_kv_tokens(worker_url: str) -> float:
-    # A loaded machine has reset a first connection now and then: retry a little before failing.
-    for attempt in range(5):
-        try:
-            metrics = httpx.get(f"{worker_url}/metrics", timeout=30).text
-            break
-        except httpx.TransportError:
-            if attempt == 4:
-                raise
-            time.sleep(1)
-    return sum(float(value) for value in EXTERNAL_KV.findall(metrics))
+def _disaggregated_successes(router_url: str) -> float:
+    """Requests the router served through prefill -> KV transfer -> decode (not an aggregated fallback)."""
+    metrics = httpx.get(f"{router_url}/metrics", timeout=30).text
+    return sum(float(value) for value in DISAGGREGATED_SUCCESS.findall(metrics))
 
 
 def test_up_vllm_disaggregated_serves_with_a_real_kv_transfer(tmp_path: Path) -> None:
@@ -57,8 +52,8 @@ def test_up_vllm_disaggregated_serves_with_a_real_kv_transfer(tmp_path: Path) ->
         print(f"vLLM stack ready after {ready.group(1)}s, {ready.group(3)} MiB resident")
         state = {str(entry["name"]): entry for entry in up.process_state()}
         children = up.children()
-        decode_url = str(state["decode-0"]["url"])
-        before = _external_kv_tokens(decode_url)
+        router_url = str(state["router"]["url"])
+        before = _disaggregated_successes(router_url)
 
         client = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=120)
         prompt = "The quick brown fox jumps over the lazy dog. " * 4
@@ -66,8 +61,8 @@ def test_up_vllm_disaggregated_serves_with_a_real_kv_transfer(tmp_path: Path) ->
         second = client.completions.create(model="tiny-llama", prompt=prompt, max_tokens=8, temperature=0)
         assert first.choices[0].text == second.choices[0].text, "greedy decoding is deterministic"
         assert first.usage is not None and first.usage.completion_tokens == 8
-        # The decode worker received the prompt's KV from prefill instead of computing it.
-        assert _external_kv_tokens(decode_url) - before >= first.usage.prompt_tokens
+        # Both went prefill -> NIXL KV transfer -> decode; a KV failure would show as an aggregated fallback.
+        assert _disaggregated_successes(router_url) - before == 2
 
         up.popen.send_signal(signal.SIGTERM)
         assert up.popen.wait(timeout=90) == 0
