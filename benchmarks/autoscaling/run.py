@@ -401,7 +401,8 @@ async def run_policy(
             now = clock()
             current = {pool: cluster.size(pool) for pool in POOLS}
             if policy == "builtin":
-                result = await evaluate(spec, NAMESPACE, NAME, current, state, now, client)
+                ready = {pool: len(cluster.pools[pool].ready(now)) for pool in POOLS}
+                result = await evaluate(spec, NAMESPACE, NAME, current, state, now, client, ready=ready)
                 state = result.state
                 desired = result.desired
                 reasons = result.reasons

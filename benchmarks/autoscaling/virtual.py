@@ -254,7 +254,8 @@ class Simulation:
         current = {pool: self.size(pool) for pool in POOLS}
         reasons: dict[str, str] = {}
         if self.policy == "builtin":
-            decision = decide(self.spec, current, self.snapshot, self.state, self.now)
+            ready = {pool: len(self.ready(pool)) for pool in POOLS}
+            decision = decide(self.spec, current, self.snapshot, self.state, self.now, ready=ready)
             self.state = decision.state
             desired = decision.desired
             reasons = decision.reasons

@@ -62,12 +62,20 @@ def test_decode_scales_up_on_running_and_says_why() -> None:
     assert reason.endswith("2→4")
 
 
-def test_waiting_backlog_includes_router_queue() -> None:
+def test_decode_queue_sizes_the_pool_for_running_plus_waiting() -> None:
     spec = make_spec()
-    decode = replace(IDLE_DECODE, running=10, waiting=4, router_queue=8)
+    # 12 queued (router 8 + vLLM 4) over 2/replica: saturated; 30 + 12 fit in 2 replicas of 32,
+    # not the 6 that 12 / 2 (KEDA's recipe) would give.
+    decode = replace(IDLE_DECODE, running=30, waiting=4, router_queue=8)
     decision = run(spec, {"prefill": 1, "decode": 1}, decode=decode)
-    assert decision.desired["decode"] == 5  # (4 + 8) / 2 = 6, capped by max step 4 → 5
-    assert "max step 4" in decision.reasons["decode"]
+    assert decision.desired["decode"] == 2
+    assert "waiting=12 over 2/replica: running+waiting=42 at 32/replica → 2" in decision.reasons["decode"]
+    big = run(spec, {"prefill": 1, "decode": 1}, decode=replace(decode, waiting=200))
+    assert big.desired["decode"] == 5  # ceil(238 / 32) = 8, capped by max step 4 → 5
+    assert "max step 4" in big.reasons["decode"]
+    # A queue within its target proposes nothing: running alone sizes the pool.
+    small = run(spec, {"prefill": 1, "decode": 3}, decode=replace(IDLE_DECODE, running=60, waiting=5))
+    assert small.desired["decode"] == 3
 
 
 def test_tolerance_band_keeps_size() -> None:
@@ -83,6 +91,32 @@ def test_kv_usage_and_itl_drive_decode() -> None:
     assert kv.desired["decode"] == 3  # ceil(2 * 0.96 / 0.8)
     itl = run(spec, {"prefill": 1, "decode": 2}, decode=replace(IDLE_DECODE, running=20, itl_p90=0.5))
     assert itl.desired["decode"] == 4  # latency growth capped at 2x
+
+
+def test_latency_scales_from_ready_replicas_while_a_scale_up_starts() -> None:
+    spec = make_spec()
+    slow = replace(IDLE_PREFILL, ttft_p90=2.0)
+    # 2 ready of 4 asked for: the TTFT measured on 2 says 4, which is what is coming; not 8.
+    starting = decide(
+        spec,
+        {"prefill": 4, "decode": 1},
+        {"prefill": slow, "decode": IDLE_DECODE},
+        AutoscalerState(),
+        0.0,
+        ready={"prefill": 2, "decode": 1},
+    )
+    assert starting.desired["prefill"] == 4
+    settled = decide(
+        spec,
+        {"prefill": 4, "decode": 1},
+        {"prefill": slow, "decode": IDLE_DECODE},
+        AutoscalerState(),
+        0.0,
+        ready={"prefill": 4, "decode": 1},
+    )
+    assert settled.desired["prefill"] == 8
+    compounding = run(spec, {"prefill": 4, "decode": 1}, prefill=slow)  # no readiness known
+    assert compounding.desired["prefill"] == 8
 
 
 def test_prefill_scales_on_backlog_and_ttft() -> None:

@@ -15,12 +15,15 @@ and targets plus the prefill TTFT SLO). How one pool's size is chosen (in this o
    - load totals (prefill: prompts not yet answered = router queue + vLLM waiting + vLLM running,
      target `waitingPerReplica` — vLLM admits prompts into "running" and works through them by
      chunked prefill, so on a prefill worker running prompts are queued work too; decode: running,
-     target `runningPerReplica`, and backlog = router queue + waiting, target `waitingPerReplica`):
-     `ceil(total / target)` — HPA's AverageValue;
+     target `runningPerReplica`): `ceil(total / target)` — HPA's AverageValue;
+   - decode's queue (router queue + waiting): above `waitingPerReplica` per replica the pool is
+     saturated and is sized so running + waiting fit at `runningPerReplica` (see `_saturation`);
    - decode KV cache usage (mean over replicas), target `kvCacheUsage`: `ceil(current * usage / target)`
      — HPA's Utilization;
    - latency p90 against its SLO (prefill TTFT, decode ITL; the aggregated pool: both), like a
-     utilization: `ceil(current * latency / SLO)`, growth capped at 2x per decision. Below the SLO
+     utilization: `ceil(ready * latency / SLO)`, growth capped at 2x per decision (usage and
+     latency scale from the ready replicas when the caller passes them, so a scale-up that is still
+     starting is not compounded; without `ready`, from `current`). Below the SLO
      this proposes the size at which latency, if it scaled with load per replica, would just meet
      the SLO; real latency has a floor (prompt compute, one decode step) so that projection is
      pessimistic, and a scale-down it allows does not bounce back up. Above the SLO it grows the
@@ -217,15 +220,23 @@ def _fmt(x: float) -> str:
     return f"{x:.3g}" if abs(x) < 1000 else f"{x:.0f}"
 
 
-def _proportional(ratio: float, current: int, tolerance: float, growth_cap: float = math.inf) -> int:
+def _proportional(
+    ratio: float, current: int, tolerance: float, growth_cap: float = math.inf, base: int | None = None
+) -> int:
     """HPA's rule with a hysteresis band: value/target within ±tolerance keeps the size; above it
     grows to where the value would meet the target; below it shrinks only to where the value would
-    sit at the bottom of the band (1 - tolerance), so the next evaluation does not grow it back."""
+    sit at the bottom of the band (1 - tolerance), so the next evaluation does not grow it back.
+
+    `base` is the number of replicas that produced the value (the ready ones). While a scale-up is
+    still starting, a latency or usage measured on the old capacity must not be multiplied by the
+    new size again (that compounds into an overshoot to maxReplicas); it then only keeps the size.
+    """
+    base = current if base is None else min(base, current)
     if _within(ratio, tolerance):
         return current
     if ratio > 1.0:
-        return _ceil(current * min(ratio, growth_cap))
-    return _ceil(current * ratio / (1.0 - tolerance))
+        return max(current if base < current else 0, _ceil(base * min(ratio, growth_cap)))
+    return _ceil(base * ratio / (1.0 - tolerance))
 
 
 def _average_value(label: str, total: float, target: float, current: int, tolerance: float) -> _Proposal:
@@ -238,18 +249,46 @@ def _average_value(label: str, total: float, target: float, current: int, tolera
     return _Proposal(replicas, f"{label}={_fmt(total)} (target {_fmt(target)}/replica → {replicas})", ratio)
 
 
-def _utilization(label: str, usage: float, target: float, current: int, tolerance: float) -> _Proposal | None:
-    if current <= 0:
+def _utilization(
+    label: str, usage: float, target: float, current: int, tolerance: float, ready: int | None = None
+) -> _Proposal | None:
+    if current <= 0 or ready == 0:
         return None
-    replicas = _proportional(usage / target, current, tolerance)
+    replicas = _proportional(usage / target, current, tolerance, base=ready)
     return _Proposal(replicas, f"{label}={_fmt(usage)} (target {_fmt(target)} → {replicas})", usage / target)
 
 
-def _latency(label: str, seconds: float, slo: float, current: int, tolerance: float) -> _Proposal | None:
-    if current <= 0:
+def _latency(
+    label: str, seconds: float, slo: float, current: int, tolerance: float, ready: int | None = None
+) -> _Proposal | None:
+    if current <= 0 or ready == 0:
         return None
-    replicas = _proportional(seconds / slo, current, tolerance, LATENCY_MAX_GROWTH)
+    replicas = _proportional(seconds / slo, current, tolerance, LATENCY_MAX_GROWTH, base=ready)
     return _Proposal(replicas, f"{label}={_fmt(seconds)}s (SLO {_fmt(slo)}s → {replicas})", seconds / slo)
+
+
+def _saturation(
+    backlog: float, running: float, waiting_target: float, running_target: float, current: int, tolerance: float
+) -> _Proposal | None:
+    """Decode's queue: above `waitingPerReplica` per replica the pool is saturated, and it is sized
+    so that running + waiting fit at `runningPerReplica` (at least one more replica). A queue is a
+    backlog, not a steady load: sizing it at waitingPerReplica (KEDA's recipe) turns a transient
+    queue of 100 into 50 replicas."""
+    demand = running + backlog
+    if current <= 0:
+        replicas = _ceil(demand / running_target)
+        ratio = math.inf if backlog > 0 else 0.0
+    else:
+        ratio = backlog / (waiting_target * current)
+        if ratio <= 1.0 + tolerance:
+            return None
+        replicas = max(current + 1, _ceil(demand / running_target))
+    return _Proposal(
+        replicas,
+        f"waiting={_fmt(backlog)} over {_fmt(waiting_target)}/replica: running+waiting={_fmt(demand)} "
+        f"at {_fmt(running_target)}/replica → {replicas}",
+        ratio,
+    )
 
 
 def _backlog(signals: PoolSignals) -> float:
@@ -286,8 +325,13 @@ def _missing(pool: Pool, current: int, signals: PoolSignals | None, stale_after:
     return None
 
 
-def proposals(pool: Pool, spec: InferenceDeploymentSpec, current: int, signals: PoolSignals) -> list[_Proposal]:
-    """Every signal's proposal for this pool (the caller has checked the data is usable)."""
+def proposals(
+    pool: Pool, spec: InferenceDeploymentSpec, current: int, signals: PoolSignals, ready: int | None = None
+) -> list[_Proposal]:
+    """Every signal's proposal for this pool (the caller has checked the data is usable).
+
+    `ready`: replicas serving now (None: all of `current`); usage and latency are scaled from it.
+    """
     autoscaling = spec.autoscaling
     tol = autoscaling.tolerance
     out: list[_Proposal | None] = []
@@ -298,13 +342,23 @@ def proposals(pool: Pool, spec: InferenceDeploymentSpec, current: int, signals: 
     else:
         targets = autoscaling.decode
         out.append(_average_value("running", signals.running or 0.0, targets.running_per_replica, current, tol))
-        out.append(_average_value("waiting", _backlog(signals), targets.waiting_per_replica, current, tol))
+        out.append(
+            _saturation(
+                _backlog(signals),
+                signals.running or 0.0,
+                targets.waiting_per_replica,
+                targets.running_per_replica,
+                current,
+                tol,
+            )
+        )
         if signals.kv_cache_usage is not None:
-            out.append(_utilization("kv", signals.kv_cache_usage, targets.kv_cache_usage, current, tol))
+            out.append(_utilization("kv", signals.kv_cache_usage, targets.kv_cache_usage, current, tol, ready))
         if signals.itl_p90 is not None:
-            out.append(_latency("itl_p90", signals.itl_p90, targets.itl_slo_seconds, current, tol))
+            out.append(_latency("itl_p90", signals.itl_p90, targets.itl_slo_seconds, current, tol, ready))
     if pool != "decode" and signals.ttft_p90 is not None:
-        out.append(_latency("ttft_p90", signals.ttft_p90, autoscaling.prefill.ttft_slo_seconds, current, tol))
+        slo = autoscaling.prefill.ttft_slo_seconds
+        out.append(_latency("ttft_p90", signals.ttft_p90, slo, current, tol, ready))
     return [p for p in out if p is not None]
 
 
@@ -344,8 +398,13 @@ def decide(
     now: float,
     *,
     stale_after: float | None = None,
+    ready: Mapping[str, int] | None = None,
 ) -> Decision:
-    """One autoscaling evaluation. `now` is seconds on any monotonic-enough clock (state uses the same)."""
+    """One autoscaling evaluation. `now` is seconds on any monotonic-enough clock (state uses the same).
+
+    `ready` (optional): ready replicas per pool, from the Deployments' status; latency and usage
+    proposals scale from it so a scale-up that is still starting is not compounded.
+    """
     autoscaling = spec.autoscaling
     stale_limit = stale_after_seconds(spec) if stale_after is None else stale_after
     up_window = float(autoscaling.scale_up_stabilization_seconds)
@@ -371,7 +430,8 @@ def decide(
             new_history[pool] = tuple(r for r in state.entries(pool) if r.time >= now - keep)
             continue
         work.backlog = _prompt_backlog(pool_signals) if pool == "prefill" else _backlog(pool_signals)
-        props = proposals(pool, spec, now_replicas, pool_signals)
+        pool_ready = None if ready is None or pool not in ready else max(0, ready[pool])
+        props = proposals(pool, spec, now_replicas, pool_signals, pool_ready)
         work.texts.extend(p.text for p in props)
         raw = max((p.replicas for p in props), default=now_replicas)
         recommendation = _clamp(raw, low, high)

@@ -48,13 +48,19 @@ async def evaluate(
     state: AutoscalerState,
     now: float,
     client: PrometheusClient,
+    *,
+    ready: Mapping[str, int] | None = None,
 ) -> Evaluation:
-    """Read every pool's signals and decide. Never raises for Prometheus trouble: it holds sizes instead."""
+    """Read every pool's signals and decide. Never raises for Prometheus trouble: it holds sizes instead.
+
+    `current`: each pool's Deployment spec.replicas; `ready` (optional, recommended): its
+    status.readyReplicas, so a scale-up that is still starting is not compounded.
+    """
     signals: Mapping[Pool, PoolSignals | None]
     try:
         signals = await read_signals(client, spec, namespace, name)
     except PrometheusUnavailable as exc:
-        decision = decide(spec, current, {}, state, now)
+        decision = decide(spec, current, {}, state, now, ready=ready)
         return Evaluation(
             state=decision.state,
             desired=decision.desired,
@@ -63,7 +69,7 @@ async def evaluate(
             decision=decision,
             signals={},
         )
-    decision = decide(spec, current, signals, state, now)
+    decision = decide(spec, current, signals, state, now, ready=ready)
     flat: dict[str, float] = {}
     for pool, pool_signals in signals.items():
         if pool_signals is not None:
