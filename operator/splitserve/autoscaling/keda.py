@@ -15,7 +15,10 @@ ttftP90 / itlP90     ttftSloSeconds / itlSloSeconds Value
 Behaviour: `behavior.scaleUp/scaleDown.stabilizationWindowSeconds` are the spec's windows (HPA
 caps them at 3600 s) and a Pods policy of `maxStep` per `intervalSeconds` is the step limit.
 
-What only the built-in backend does: the prefill:decode ratio bounds; the per-deployment
+What only the built-in backend does: sizing decode for running + waiting when its queue is over
+target (KEDA/HPA size the backlog trigger as waiting / waitingPerReplica, so a transient queue can
+overshoot; the scale-down window then holds it); scaling latency and usage from ready replicas; the
+flap guard; the prefill:decode ratio bounds; the per-deployment
 tolerance (HPA's is the cluster-wide `--horizontal-pod-autoscaler-tolerance`, 0.1 by default);
 holding on stale data (HPA/KEDA treat a failed metric as "no recommendation", KEDA's `fallback`
 is not set); the 2x cap on latency-driven growth. The `hpa` backend cannot scale to zero
