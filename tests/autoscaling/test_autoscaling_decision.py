@@ -73,6 +73,16 @@ def test_decode_queue_sizes_the_pool_for_running_plus_waiting() -> None:
     big = run(spec, {"prefill": 1, "decode": 1}, decode=replace(decode, waiting=200))
     assert big.desired["decode"] == 5  # ceil(238 / 32) = 8, capped by max step 4 → 5
     assert "max step 4" in big.reasons["decode"]
+    # While asked-for replicas are still starting the queue is expected: no extra +1 each interval.
+    starting = decide(
+        spec,
+        {"prefill": 1, "decode": 3},
+        {"prefill": IDLE_PREFILL, "decode": replace(decode, running=32)},
+        AutoscalerState(),
+        0.0,
+        ready={"prefill": 1, "decode": 1},
+    )
+    assert starting.desired["decode"] == 3
     # A queue within its target proposes nothing: running alone sizes the pool.
     small = run(spec, {"prefill": 1, "decode": 3}, decode=replace(IDLE_DECODE, running=60, waiting=5))
     assert small.desired["decode"] == 3

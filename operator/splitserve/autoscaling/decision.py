@@ -268,12 +268,19 @@ def _latency(
 
 
 def _saturation(
-    backlog: float, running: float, waiting_target: float, running_target: float, current: int, tolerance: float
+    backlog: float,
+    running: float,
+    waiting_target: float,
+    running_target: float,
+    current: int,
+    tolerance: float,
+    ready: int | None = None,
 ) -> _Proposal | None:
     """Decode's queue: above `waitingPerReplica` per replica the pool is saturated, and it is sized
-    so that running + waiting fit at `runningPerReplica` (at least one more replica). A queue is a
-    backlog, not a steady load: sizing it at waitingPerReplica (KEDA's recipe) turns a transient
-    queue of 100 into 50 replicas."""
+    so that running + waiting fit at `runningPerReplica` (at least one more replica, unless replicas
+    asked for are still starting: then the queue is expected). A queue is a backlog, not a steady
+    load: sizing it at waitingPerReplica (KEDA's recipe) turns a transient queue of 100 into 50
+    replicas."""
     demand = running + backlog
     if current <= 0:
         replicas = _ceil(demand / running_target)
@@ -282,7 +289,8 @@ def _saturation(
         ratio = backlog / (waiting_target * current)
         if ratio <= 1.0 + tolerance:
             return None
-        replicas = max(current + 1, _ceil(demand / running_target))
+        starting = ready is not None and ready < current
+        replicas = max(current if starting else current + 1, _ceil(demand / running_target))
     return _Proposal(
         replicas,
         f"waiting={_fmt(backlog)} over {_fmt(waiting_target)}/replica: running+waiting={_fmt(demand)} "
@@ -350,6 +358,7 @@ def proposals(
                 targets.running_per_replica,
                 current,
                 tol,
+                ready,
             )
         )
         if signals.kv_cache_usage is not None:
