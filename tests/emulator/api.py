@@ -217,6 +217,10 @@ class KubernetesApi:
     def _after_write(self, info: ResourceInfo, stored: Mapping[str, Any]) -> None:
         if info.key == CRD_KEY:
             self.registry.register_crd(stored)
+        # Like kube-controller-manager's GC: an object written with owners that are all gone
+        # (an owner deleted while a controller was still applying its children) is collected.
+        if stored["metadata"].get("ownerReferences"):
+            self.collect_garbage()
 
     def _tracked_fields(self, info: ResourceInfo, subresource: str) -> managed_fields.Tracked:
         """Which fields a write through this (sub)resource owns in managedFields."""

@@ -150,11 +150,13 @@ def test_aggregated_mode_has_one_worker_pool_behind_the_decode_service() -> None
     assert not any(arg.startswith("--prefill-service") for arg in router_args)
 
 
-def test_autoscaled_pools_leave_replicas_to_their_owner() -> None:
-    target = Target(OWNER, InferenceDeploymentSpec.model_validate(minimal()["spec"]), {"prefill": None, "decode": 3})
-    deployments = {c["metadata"]["name"]: c for c in build_children(target) if c["kind"] == "Deployment"}
-    assert "replicas" not in deployments["demo-prefill"]["spec"]
-    assert deployments["demo-decode"]["spec"]["replicas"] == 3
+def test_worker_pools_leave_replicas_to_the_scale_subresource() -> None:
+    children = build_children(target_of(minimal(decode={"replicas": 3, "maxReplicas": 4})))
+    deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
+    for name in ("demo-prefill", "demo-decode"):
+        assert "replicas" not in deployments[name]["spec"], "the apply set must never own a pool's size"
+    assert deployments["demo-decode"]["metadata"]["annotations"] == {"splitserve.io/declared-replicas": "3"}
+    assert deployments["demo-router"]["spec"]["replicas"] == 2
 
 
 def test_network_policy_admits_router_to_http_and_pools_to_kv_ports() -> None:

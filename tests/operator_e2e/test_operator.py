@@ -14,7 +14,7 @@ from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
 
 pytestmark = [pytest.mark.emulator, pytest.mark.slow]
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
-TIMEOUT = 30.0
+TIMEOUT = 60.0  # generous: CI machines are small and these tests share them
 
 
 def idep(name: str, **spec: Any) -> dict[str, Any]:
@@ -155,7 +155,11 @@ def test_create_update_drift_and_delete(
     client.patch(*IDEP, "llm", {"spec": {"mode": "aggregated"}}, namespace=NAMESPACE)
     wait_for(lambda: deployment(client, "llm-aggregated"), timeout=TIMEOUT, message="aggregated pool")
     wait_for(lambda: deployment(client, "llm-prefill") is None, timeout=TIMEOUT, message="prefill pruned")
-    assert client.get_or_none("v1", "services", "llm-prefill", namespace=NAMESPACE) is None
+    wait_for(
+        lambda: client.get_or_none("v1", "services", "llm-prefill", namespace=NAMESPACE) is None,
+        timeout=TIMEOUT,
+        message="prefill service pruned",
+    )
 
     client.delete(*IDEP, "llm", namespace=NAMESPACE)
     wait_for(lambda: not children(client, "llm"), timeout=TIMEOUT, message="children garbage-collected")
@@ -171,8 +175,11 @@ def test_missing_secret_degrades_then_recovers(client: EmulatorClient) -> None:
     assert "Secret hf" in degraded["message"]
     wait_condition(client, "gated", "Ready", "False", "MissingSecret")
     assert deployment(client, "gated-decode") is None, "nothing half-applied while a prerequisite is missing"
-    events = client.list("v1", "events", namespace=NAMESPACE)
-    assert any(e.get("reason") == "MissingSecret" for e in events)
+    wait_for(
+        lambda: any(e.get("reason") == "MissingSecret" for e in client.list("v1", "events", namespace=NAMESPACE)),
+        timeout=TIMEOUT,
+        message="a MissingSecret event",
+    )
     client.create(
         {
             "apiVersion": "v1",
@@ -250,4 +257,44 @@ def test_scaling_a_pool_in_the_spec_scales_its_deployment(client: EmulatorClient
         lambda: client.get(*IDEP, "scaled", namespace=NAMESPACE)["status"]["decode"]["summary"] == "3/3",
         timeout=TIMEOUT,
         message="status shows 3/3",
+    )
+
+
+def test_kubectl_scale_is_honoured_until_the_spec_changes(
+    cluster: tuple[EmulatorProcess, OperatorProcess], client: EmulatorClient
+) -> None:
+    client.create(idep("manual", decode={"replicas": 1, "maxReplicas": 4}))
+    wait_condition(client, "manual", "Ready", "True")
+    kubectl = Kubectl(cluster[0], namespace=NAMESPACE)
+    kubectl("scale", "deployment", "manual-decode", "--replicas=2")
+    wait_for(
+        lambda: client.get(*IDEP, "manual", namespace=NAMESPACE)["status"]["decode"]["summary"] == "2/2",
+        timeout=TIMEOUT,
+        message="status follows kubectl scale",
+    )
+    # A reconcile (here: a change to another pool) must not undo the manual scale.
+    client.patch(*IDEP, "manual", {"spec": {"prefill": {"extraArgs": ["--max-num-seqs", "8"]}}}, namespace=NAMESPACE)
+    wait_for(
+        lambda: client.get(*IDEP, "manual", namespace=NAMESPACE)["status"]["observedGeneration"] == 2,
+        timeout=TIMEOUT,
+        message="second generation reconciled",
+    )
+    assert deployment(client, "manual-decode")["spec"]["replicas"] == 2  # type: ignore[index]
+    for entry in deployment(client, "manual-decode")["metadata"]["managedFields"]:  # type: ignore[index]
+        if entry["manager"] == "splitserve-operator":
+            assert "f:replicas" not in entry.get("fieldsV1", {}).get("f:spec", {}), "the apply set owns replicas"
+    # Changing the declared count in the spec is a new intent: it wins.
+    client.patch(*IDEP, "manual", {"spec": {"decode": {"replicas": 3}}}, namespace=NAMESPACE)
+    wait_for(
+        lambda: (deployment(client, "manual-decode") or {}).get("spec", {}).get("replicas") == 3,
+        timeout=TIMEOUT,
+        message="spec change applied",
+    )
+    wait_for(
+        lambda: any(
+            e.get("reason") == "Scaled" and "manual-decode" in e.get("message", "")
+            for e in client.list("v1", "events", namespace=NAMESPACE)
+        ),
+        timeout=TIMEOUT,
+        message="a Scaled event",
     )

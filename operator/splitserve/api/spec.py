@@ -143,7 +143,12 @@ class SpeculativeDecoding(ApiModel):
 
 
 class EngineSpec(ApiModel):
-    image: str = Field(DEFAULT_WORKER_IMAGE, min_length=1, description="Worker image (vLLM plus splitserve).")
+    image: str | None = Field(
+        None,
+        min_length=1,
+        description=f"Worker image (vLLM plus splitserve). Unset: the operator's default (chart value "
+        f"images.worker; {DEFAULT_WORKER_IMAGE} unless configured).",
+    )
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     port: int = Field(8000, ge=1024, le=65535, description="HTTP port of every worker.")
     extra_args: list[str] = Field(default_factory=list, description="Extra vLLM arguments for every role.")
@@ -238,7 +243,12 @@ class RouterTimeouts(ApiModel):
 
 class RouterSpec(ApiModel):
     replicas: int = Field(2, ge=0, le=100)
-    image: str = Field(DEFAULT_ROUTER_IMAGE, min_length=1)
+    image: str | None = Field(
+        None,
+        min_length=1,
+        description=f"Router image. Unset: the operator's default (chart value images.router; "
+        f"{DEFAULT_ROUTER_IMAGE} unless configured).",
+    )
     routing_policy: RouterPolicies = Field(default_factory=RouterPolicies)
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(8000, ge=1, le=65535, description="Port of the router Service (OpenAI endpoint).")

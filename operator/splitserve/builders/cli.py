@@ -9,7 +9,7 @@ import yaml
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.builders.bundle import build_children
-from splitserve.builders.naming import Owner, Target
+from splitserve.builders.naming import Images, Owner, Target
 from splitserve.cliutil import UserError, read_input
 from splitserve.validation import load_documents, validate_text
 
@@ -33,7 +33,8 @@ def run(args: argparse.Namespace) -> int:
     manifests = []
     for doc in load_documents(text):
         namespace = doc["metadata"].get("namespace") or args.namespace or "default"
-        target = Target(Owner(doc["metadata"]["name"], namespace), InferenceDeploymentSpec.model_validate(doc["spec"]))
+        spec = InferenceDeploymentSpec.model_validate(doc["spec"])
+        target = Target(Owner(doc["metadata"]["name"], namespace), spec, Images.from_environment())
         manifests.extend(build_children(target))
     sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False, width=120))
     return 0

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.api.base import API_GROUP, API_VERSION, KIND
-from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
+from splitserve.api.spec import DEFAULT_ROUTER_IMAGE, DEFAULT_WORKER_IMAGE, InferenceDeploymentSpec, Mode, Role
 
 FIELD_MANAGER = "splitserve-operator"
 LABEL_DEPLOYMENT = f"{API_GROUP}/deployment"
@@ -17,6 +19,10 @@ LABEL_SERVES_DECODE = f"{API_GROUP}/serves-decode"
 ROUTER_ROLE = "router"
 WORKER_HTTP_PORT_NAME = "http"
 KV_SIDE_CHANNEL_PORT_NAME = "kv-side"
+# The pool size the spec declared when the operator last wrote it (see builders.workers).
+ANNOTATION_DECLARED_REPLICAS = f"{API_GROUP}/declared-replicas"
+# Replica counts are written through /scale under this manager, never in the operator's apply set.
+SCALE_FIELD_MANAGER = "splitserve-scaler"
 
 
 @dataclass(frozen=True)
@@ -39,16 +45,27 @@ class Owner:
 
 
 @dataclass(frozen=True)
-class Target:
-    """Everything a builder needs: who owns the objects, the desired spec, and replica overrides.
+class Images:
+    """Images used when a spec leaves them unset: the operator's configuration (chart values)."""
 
-    `replicas` maps a pool role to the count to write, or to None to leave the field to whoever
-    owns it (an autoscaler, an HPA, `kubectl scale`), so server-side apply never fights them.
-    """
+    worker: str = DEFAULT_WORKER_IMAGE
+    router: str = DEFAULT_ROUTER_IMAGE
+
+    @classmethod
+    def from_environment(cls, env: Mapping[str, str] = os.environ) -> Images:
+        return cls(
+            worker=env.get("SPLITSERVE_WORKER_IMAGE") or DEFAULT_WORKER_IMAGE,
+            router=env.get("SPLITSERVE_ROUTER_IMAGE") or DEFAULT_ROUTER_IMAGE,
+        )
+
+
+@dataclass(frozen=True)
+class Target:
+    """Everything a builder needs: who owns the objects, the desired spec, default images."""
 
     owner: Owner
     spec: InferenceDeploymentSpec
-    replicas: dict[str, int | None] = field(default_factory=dict)
+    images: Images = Images()
 
 
 def worker_roles(spec: InferenceDeploymentSpec) -> list[Role]:

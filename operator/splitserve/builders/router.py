@@ -53,7 +53,7 @@ def build_router_deployment(target: Target) -> dict[str, Any]:
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
     container = {
         "name": "router",
-        "image": spec.router.image,
+        "image": spec.router.image or target.images.router,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["splitserve"],
         "args": router_args(target),
@@ -89,9 +89,7 @@ def build_router_deployment(target: Target) -> dict[str, Any]:
             },
         },
     }
-    replicas = target.replicas.get(ROUTER_ROLE, spec.router.replicas)
-    if replicas is not None:
-        deployment_spec["replicas"] = replicas
+    deployment_spec["replicas"] = spec.router.replicas
     return {
         "apiVersion": "apps/v1",
         "kind": "Deployment",

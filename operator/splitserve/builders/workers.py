@@ -10,6 +10,7 @@ from typing import Any
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
 from splitserve.builders.naming import (
+    ANNOTATION_DECLARED_REPLICAS,
     KV_SIDE_CHANNEL_PORT_NAME,
     WORKER_HTTP_PORT_NAME,
     Target,
@@ -24,6 +25,7 @@ HF_CACHE_PATH = "/var/cache/huggingface"
 # Time for the router's EndpointSlice watch to see a terminating pod before the engine stops
 # taking requests: the router stops routing to it first, then in-flight requests finish.
 PRESTOP_SLEEP_SECONDS = 10
+PROGRESS_DEADLINE_SECONDS = 1800
 
 
 def _uses_kv_transfer(spec: InferenceDeploymentSpec, role: Role) -> bool:
@@ -86,7 +88,7 @@ def _probe(path: str, port_name: str, period: int, failures: int) -> dict[str, A
     }
 
 
-def _container(spec: InferenceDeploymentSpec, role: Role) -> dict[str, Any]:
+def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[str, Any]:
     pool = role_pool(spec, role)
     launch = build_engine_launch(spec, role)
     volumes_mounts = _volumes(spec, pool)[1]
@@ -97,7 +99,7 @@ def _container(spec: InferenceDeploymentSpec, role: Role) -> dict[str, Any]:
         )
     return {
         "name": "engine",
-        "image": spec.engine.image,
+        "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["splitserve", "worker"],
         "args": ["--role", str(role), "--", *launch.args],
@@ -120,7 +122,7 @@ def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
     pool = role_pool(spec, role)
     volumes = _volumes(spec, pool)[0]
     pod_spec: dict[str, Any] = {
-        "containers": [_container(spec, role)],
+        "containers": [_container(spec, role, spec.engine.image or target.images.worker)],
         "volumes": volumes,
         "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
         "enableServiceLinks": False,
@@ -133,16 +135,16 @@ def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
         pod_spec["affinity"] = dict(pool.affinity)
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(name, role)},
+        # Pulling an engine image and loading weights can take long; past this the Deployment
+        # reports ProgressDeadlineExceeded and the pool's condition turns False instead of Unknown.
+        "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
         # Surge, never remove first: an engine takes minutes to load, capacity must not dip.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
         "template": {"metadata": {"labels": pod_labels(name, role)}, "spec": pod_spec},
     }
-    replicas = target.replicas.get(str(role), pool.replicas)
-    if replicas is not None:
-        deployment_spec["replicas"] = replicas
-    return {
-        "apiVersion": "apps/v1",
-        "kind": "Deployment",
-        "metadata": metadata(target, pool_name(name, role), str(role), **selector_labels(name, role)),
-        "spec": deployment_spec,
-    }
+    meta = metadata(target, pool_name(name, role), str(role), **selector_labels(name, role))
+    meta["annotations"] = {ANNOTATION_DECLARED_REPLICAS: str(pool.replicas)}
+    # No spec.replicas: the pool's size is owned by whoever scales it (the spec when it changes,
+    # the built-in autoscaler, KEDA/HPA, or `kubectl scale`), always through the /scale
+    # subresource, so the operator's server-side apply never owns the field and never fights.
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta, "spec": deployment_spec}

@@ -22,6 +22,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--priority", type=int, default=None, help="peering priority (default: random, so exactly one replica wins)"
     )
     parser.add_argument("--liveness", default=None, help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz")
+    parser.add_argument("--metrics-port", type=int, default=None, help="serve the operator's /metrics on this port")
     parser.add_argument("--verbose", action="store_true")
 
 
@@ -29,12 +30,18 @@ def run(args: argparse.Namespace) -> int:
     import kopf  # imported here: `splitserve crd` and friends should not pay for it
 
     import splitserve.controller.handlers  # noqa: F401  (registers the handlers)
+    from splitserve.controller.metrics import OperatorMetrics
 
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     logging.getLogger("httpx").setLevel(logging.WARNING)  # one line per API call drowns the operator's own log
+    metrics = OperatorMetrics()
+    if args.metrics_port is not None:
+        from prometheus_client import start_http_server
+
+        start_http_server(args.metrics_port, registry=metrics.registry)
     # Replicas with the same priority would all pause (kopf treats them as conflicting).
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
@@ -45,6 +52,7 @@ def run(args: argparse.Namespace) -> int:
             clusterwide=not args.namespace,
             namespaces=args.namespace,
             liveness_endpoint=args.liveness,
+            memo=kopf.Memo(metrics=metrics),
         )
     logging.getLogger(API_GROUP).info("operator stopped")
     return 0

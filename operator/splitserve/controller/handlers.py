@@ -10,17 +10,24 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Mapping
 from typing import Any
 
 import kopf
 
 from splitserve.api.base import API_GROUP, API_VERSION, PLURAL
-from splitserve.builders.naming import FIELD_MANAGER, LABEL_DEPLOYMENT
+from splitserve.autoscaling.decision import AutoscalerState
+from splitserve.autoscaling.prometheus import PrometheusClient
+from splitserve.builders.naming import FIELD_MANAGER, LABEL_DEPLOYMENT, Images
 from splitserve.controller.kube import KubeClient, load_access
+from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.reconcile import Reconciler, RetryLater
+from splitserve.controller.timers import autoscale_once, builtin_autoscaling, diagnose_once
 
 DRIFT_INTERVAL_SECONDS = 60.0
+# Diagnosis reads minutes of telemetry; more often would only repeat itself. Tests shorten it.
+DIAGNOSIS_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS", "300"))
 # Typed loosely: kopf.PRESENT is a filter token, not a str.
 CHILD_FILTER: dict[str, Any] = {
     LABEL_DEPLOYMENT: kopf.PRESENT,
@@ -45,7 +52,9 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.client_timeout = 300
     settings.networking.request_timeout = 60
     settings.batching.error_delays = [1, 2, 5, 10, 20, 30]
-    memo.reconciler = Reconciler(KubeClient(load_access()), _post_event)
+    # `splitserve operator` puts its metrics (served on --metrics-port) into the memo.
+    metrics = memo.get("metrics") or OperatorMetrics()
+    memo.reconciler = Reconciler(KubeClient(load_access()), _post_event, Images.from_environment(), metrics)
 
 
 @kopf.on.cleanup()
@@ -80,3 +89,41 @@ async def child_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Mem
     # The owner's own handler retries a RetryLater; a child event must not start a second retry loop.
     with contextlib.suppress(RetryLater):
         await memo.reconciler.reconcile_by_name(namespace, labels[LABEL_DEPLOYMENT], prune=False)
+
+
+def _builtin_autoscaling(spec: kopf.Spec, **_: Any) -> bool:
+    return builtin_autoscaling(dict(spec))
+
+
+@kopf.daemon(API_GROUP, API_VERSION, PLURAL, when=_builtin_autoscaling, cancellation_timeout=10)
+async def autoscaler(
+    stopped: kopf.DaemonStopped, namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any
+) -> None:
+    """The built-in autoscaler: one evaluation every spec.autoscaling.intervalSeconds."""
+    if namespace is None:
+        return
+    state = AutoscalerState()
+    url = ""
+    client: PrometheusClient | None = None
+    try:
+        while not stopped:
+            wanted = str(spec.get("autoscaling", {}).get("prometheusUrl", ""))
+            if client is None or wanted != url:
+                if client is not None:
+                    await client.aclose()
+                url, client = wanted, PrometheusClient(wanted)
+            state = await autoscale_once(memo.reconciler, namespace, name, state, client)
+            await stopped.wait(float(spec.get("autoscaling", {}).get("intervalSeconds", 15)))
+    finally:
+        if client is not None:
+            await client.aclose()
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=DIAGNOSIS_INTERVAL_SECONDS, initial_delay=5)
+async def diagnosis_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+    """The six-question diagnosis, written to status.diagnosis on a slow timer."""
+    if namespace is None:
+        return
+    url = str(spec.get("autoscaling", {}).get("prometheusUrl", ""))
+    async with PrometheusClient(url) as client:
+        await diagnose_once(memo.reconciler, namespace, name, client)

@@ -139,6 +139,32 @@ class KubeClient:
         result: dict[str, Any] = response.json()
         return result, response.status_code == 201
 
+    async def create(self, obj: dict[str, Any], *, field_manager: str) -> dict[str, Any]:
+        """Plain create (not apply): fields set here are owned by `field_manager` as an update."""
+        meta = obj["metadata"]
+        response = await self._request(
+            "POST",
+            resource_path(obj["apiVersion"], obj["kind"], meta["namespace"]),
+            params={"fieldManager": field_manager},
+            json=obj,
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def scale(
+        self, api_version: str, kind: str, namespace: str, name: str, replicas: int, *, field_manager: str
+    ) -> dict[str, Any]:
+        """Set replicas through the /scale subresource, as `kubectl scale`, an HPA or KEDA would."""
+        response = await self._request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name) + "/scale",
+            params={"fieldManager": field_manager},
+            content=json.dumps({"spec": {"replicas": replicas}}),
+            headers={"Content-Type": "application/merge-patch+json"},
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         try:
             response = await self._request("GET", resource_path(api_version, kind, namespace, name))

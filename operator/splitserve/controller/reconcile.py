@@ -14,22 +14,26 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from splitserve.api.spec import InferenceDeploymentSpec, Mode
+from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
 from splitserve.api.status import InferenceDeploymentStatus
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.naming import (
+    ANNOTATION_DECLARED_REPLICAS,
     LABEL_DEPLOYMENT,
+    LABEL_ROLE,
     ROUTER_ROLE,
+    SCALE_FIELD_MANAGER,
+    Images,
     Owner,
     Target,
     pool_name,
     router_endpoint,
     router_name,
-    worker_roles,
 )
 from splitserve.builders.vllm_args import role_pool
 from splitserve.controller.drift import contains
 from splitserve.controller.kube import KubeClient, KubeError
+from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.rollup import PoolObservation, Problem, roll_up
 from splitserve.validation import validate_object
 
@@ -68,13 +72,15 @@ def utc_now() -> str:
 class Reconciler:
     kube: KubeClient
     post_event: EventSink
+    images: Images = field(default_factory=Images)
+    metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
     # One lock per InferenceDeployment: handlers, child events and timers never interleave on one object.
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
 
-    async def _event(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
+    async def post(self, body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
         result = self.post_event(body, kind, reason, message)
         if result is not None:
             await result
@@ -102,7 +108,8 @@ class Reconciler:
         if problems:
             message = "; ".join(f"{p.path}: {p.message}" for p in problems)
             await self._write_status(body, None, Problem("InvalidSpec", message))
-            await self._event(body, "Warning", "InvalidSpec", message)
+            await self.post(body, "Warning", "InvalidSpec", message)
+            self.metrics.reconciles.labels("invalid").inc()
             return  # nothing to retry: the next spec change triggers a new reconcile
         try:
             spec = InferenceDeploymentSpec.model_validate(body["spec"])
@@ -113,35 +120,28 @@ class Reconciler:
         missing = await self._missing_prerequisites(spec, owner.namespace)
         if missing is not None:
             await self._write_status(body, spec, missing)
-            await self._event(body, "Warning", missing.reason, missing.message)
+            await self.post(body, "Warning", missing.reason, missing.message)
+            self.metrics.reconciles.labels("degraded").inc()
             raise RetryLater(missing.message, delay=10)
 
-        target = Target(owner, spec, await self._replica_ownership(spec, owner))
+        target = Target(owner, spec, self.images)
         desired = build_children(target)
         failures: list[str] = []
         for child in desired:
             try:
-                meta = child["metadata"]
-                observed = await self.kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-                if observed is not None and contains(observed, child):
-                    continue
-                _, created = await self.kube.apply(child)
-                if observed is not None:
-                    await self._event(body, "Normal", *_change_event(observed, child))
+                await self._apply_child(body, spec, child)
             except KubeError as error:
                 if error.kind_not_installed:
                     failures.append(f"{child['kind']} is not installed in this cluster ({error.message})")
                 else:
                     failures.append(f"{child['kind']}/{child['metadata']['name']}: {error}")
-                continue
-            if created:
-                await self._event(body, "Normal", "Created", f"created {child['kind']} {child['metadata']['name']}")
         if prune:
             await self._prune(owner, {child_key(child) for child in desired})
         problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
         await self._write_status(body, spec, problem)
+        self.metrics.reconciles.labels("degraded" if failures else "ok").inc()
         if failures:
-            await self._event(body, "Warning", "ApplyFailed", problem.message if problem else "")
+            await self.post(body, "Warning", "ApplyFailed", problem.message if problem else "")
             raise RetryLater(problem.message if problem else "", delay=30)
 
     async def _missing_prerequisites(self, spec: InferenceDeploymentSpec, namespace: str) -> Problem | None:
@@ -163,20 +163,56 @@ class Reconciler:
                 )
         return None
 
-    async def _replica_ownership(self, spec: InferenceDeploymentSpec, owner: Owner) -> dict[str, int | None]:
-        """Which pools' replica counts this apply writes.
+    async def _apply_child(self, body: Mapping[str, Any], spec: InferenceDeploymentSpec, child: dict[str, Any]) -> None:
+        meta = child["metadata"]
+        observed = await self.kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
+        role = _worker_role(child)
+        if observed is None and role is not None:
+            # Created with its declared size by the scaler's field manager: the operator's own
+            # apply set never contains spec.replicas (see builders.workers).
+            declared = int(meta["annotations"][ANNOTATION_DECLARED_REPLICAS])
+            sized = {**child, "spec": {**child["spec"], "replicas": declared}}
+            await self.kube.create(sized, field_manager=SCALE_FIELD_MANAGER)
+            await self.post(body, "Normal", "Created", f"created {child['kind']} {meta['name']} ({declared} replicas)")
+            return
+        if observed is None or not contains(observed, child):
+            _, created = await self.kube.apply(child)
+            if created:
+                await self.post(body, "Normal", "Created", f"created {child['kind']} {meta['name']}")
+            elif observed is not None:
+                await self.post(body, "Normal", *_change_event(observed, child))
+        if observed is not None and role is not None:
+            await self._size_pool(body, spec, role, child, observed)
 
-        With autoscaling on, the autoscaler (or KEDA/HPA) owns spec.replicas: the operator writes
-        the spec's count only when it creates the Deployment, and leaves the field out afterwards,
-        so server-side apply keeps the other manager's value instead of fighting it.
+    async def _size_pool(
+        self,
+        body: Mapping[str, Any],
+        spec: InferenceDeploymentSpec,
+        role: Role,
+        child: Mapping[str, Any],
+        observed: Mapping[str, Any],
+    ) -> None:
+        """Write the spec's pool size only when the spec's declared count changed.
+
+        With autoscaling off, a changed `replicas` in the spec is applied; a `kubectl scale` of the
+        Deployment stays until the spec's count changes again. With autoscaling on, the autoscaler
+        (built-in, KEDA or HPA) owns the size; the operator only pulls it back inside min/max.
         """
+        meta = child["metadata"]
+        declared = int(meta["annotations"][ANNOTATION_DECLARED_REPLICAS])
+        previously = (observed["metadata"].get("annotations") or {}).get(ANNOTATION_DECLARED_REPLICAS)
+        current = int(observed.get("spec", {}).get("replicas", 1))
+        pool = role_pool(spec, role)
         if not spec.autoscaling.enabled:
-            return {}
-        ownership: dict[str, int | None] = {}
-        for role in worker_roles(spec):
-            existing = await self.kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
-            ownership[str(role)] = None if existing is not None else role_pool(spec, role).replicas
-        return ownership
+            wanted, why = (declared, "the spec's replicas changed") if previously != str(declared) else (current, "")
+        else:
+            wanted = min(max(current, pool.min_replicas), pool.max_replicas)
+            why = f"kept within minReplicas {pool.min_replicas} and maxReplicas {pool.max_replicas}"
+        if wanted != current:
+            await self.kube.scale(
+                "apps/v1", "Deployment", meta["namespace"], meta["name"], wanted, field_manager=SCALE_FIELD_MANAGER
+            )
+            await self.post(body, "Normal", "Scaled", f"scaled {meta['name']} from {current} to {wanted}: {why}")
 
     async def _prune(self, owner: Owner, desired: set[tuple[str, str, str]]) -> None:
         for api_version, kind in PRUNABLE_KINDS:
@@ -197,7 +233,9 @@ class Reconciler:
     ) -> None:
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
-        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        # Read the status fresh: the autoscaler and diagnosis timers write parts of it too.
+        fresh = await self.kube.get(*IDEP, namespace, name)
+        previous = InferenceDeploymentStatus.model_validate((fresh or body).get("status") or {})
         observations: dict[str, PoolObservation | None] = {}
         for component in ("prefill", "decode", "aggregated", ROUTER_ROLE):
             deployment_name = router_name(name) if component == ROUTER_ROLE else pool_name(name, component)
@@ -216,14 +254,31 @@ class Reconciler:
             problem=problem,
             now=utc_now(),
         )
+        await self._patch_status_if_changed(namespace, name, previous, status)
+
+    async def update_status(
+        self, namespace: str, name: str, mutate: Callable[[InferenceDeploymentStatus], InferenceDeploymentStatus]
+    ) -> None:
+        """Change the status parts a timer owns, serialised with reconciles of the same object."""
+        async with self._lock(namespace, name):
+            fresh = await self.kube.get(*IDEP, namespace, name)
+            if fresh is None:
+                return
+            previous = InferenceDeploymentStatus.model_validate(fresh.get("status") or {})
+            await self._patch_status_if_changed(namespace, name, previous, mutate(previous))
+
+    async def _patch_status_if_changed(
+        self, namespace: str, name: str, previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus
+    ) -> None:
         new = status.model_dump(by_alias=True, mode="json", exclude_none=True)
-        if new != previous.model_dump(by_alias=True, mode="json", exclude_none=True):
-            try:
-                await self.kube.patch_status(*IDEP, namespace, name, new)
-            except KubeError as error:
-                if error.status != 404:
-                    raise
-                log.info("%s/%s was deleted while reconciling; its children are garbage-collected", namespace, name)
+        if new == previous.model_dump(by_alias=True, mode="json", exclude_none=True):
+            return
+        try:
+            await self.kube.patch_status(*IDEP, namespace, name, new)
+        except KubeError as error:
+            if error.status != 404:
+                raise
+            log.info("%s/%s was deleted meanwhile; its children are garbage-collected", namespace, name)
 
 
 def _declared_mode(body: Mapping[str, Any]) -> Mode:
@@ -242,3 +297,11 @@ def _change_event(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> tu
         if contains(rest_observed, desired):
             return "Scaled", f"scaled {label} from {before} to {after} replicas"
     return "Updated", f"updated {label} to match the spec"
+
+
+def _worker_role(child: Mapping[str, Any]) -> Role | None:
+    """The role of a worker pool Deployment, or None for anything else (incl. the router)."""
+    if child["kind"] != "Deployment":
+        return None
+    role = child["metadata"].get("labels", {}).get(LABEL_ROLE)
+    return Role(role) if role in {r.value for r in Role} else None

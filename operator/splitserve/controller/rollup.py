@@ -30,6 +30,8 @@ class PoolObservation:
     ready: int
     updated: int
     up_to_date: bool  # the Deployment controller has seen the latest template
+    # The Deployment's own Progressing condition: still within its progress deadline.
+    in_progress: bool = False
 
     @classmethod
     def from_deployment(cls, deployment: Mapping[str, Any] | None) -> PoolObservation | None:
@@ -43,6 +45,12 @@ class PoolObservation:
             ready=int(status.get("readyReplicas", 0)),
             updated=int(status.get("updatedReplicas", 0)),
             up_to_date=int(status.get("observedGeneration", 0)) >= int(generation),
+            in_progress=any(
+                c.get("type") == "Progressing"
+                and c.get("status") == "True"
+                and c.get("reason") != "NewReplicaSetAvailable"
+                for c in status.get("conditions", [])
+            ),
         )
 
     @property
@@ -58,6 +66,15 @@ class PoolObservation:
         )
 
 
+def _still_progressing(condition: Mapping[str, Any]) -> bool:
+    """A Deployment condition saying a rollout is under way and within its progress deadline."""
+    return (
+        condition.get("type") == "Progressing"
+        and condition.get("status") == "True"
+        and condition.get("reason") != "NewReplicaSetAvailable"
+    )
+
+
 # (type, status, reason, message) of one condition before it gets its timestamps.
 ConditionValue = tuple[ConditionType, ConditionStatus, str, str]
 
@@ -68,6 +85,9 @@ def _pool_condition(kind: ConditionType, label: str, pool: PoolObservation | Non
     counts = f"{pool.ready}/{pool.desired} {label} replicas ready"
     if pool.desired == 0:
         return kind, "True", "ScaledToZero", f"{label} is scaled to zero; the router holds requests until it scales up"
+    if pool.ready == 0 and (pool.in_progress or not pool.up_to_date):
+        # Engines take minutes to load: not a failure until the Deployment's progress deadline.
+        return kind, "Unknown", "RollingOut", f"{counts}; waiting for the engines to load"
     if pool.ready == 0:
         return kind, "False", "NoReplicasReady", counts
     if pool.ready < pool.desired:
@@ -117,7 +137,14 @@ def roll_up(
         ready = (ConditionType.READY, "False", problem.reason, problem.message)
     elif failing:
         messages = "; ".join(f"{kind}: {message}" for kind, status, _, message in parts if status != "True")
-        ready = (ConditionType.READY, "False", f"{failing[0].removesuffix('Ready')}NotReady", messages)
+        # Unknown while every failing part is still rolling out (Argo CD shows Progressing, not Degraded).
+        unknown = all(status == "Unknown" for _, status, _, _ in parts if status != "True")
+        ready = (
+            ConditionType.READY,
+            "Unknown" if unknown else "False",
+            f"{failing[0].removesuffix('Ready')}NotReady",
+            messages,
+        )
     else:
         ready = (ConditionType.READY, "True", "AllComponentsReady", "prefill, decode and router are serving")
     rolling = [pool for pool in (prefill, decode, router) if pool is not None and pool.rolling]
