@@ -151,3 +151,14 @@ def test_descendants_in_other_process_groups_are_stopped_too(
 
     assert not is_alive(loner), "a grandchild that left the worker's group must not outlive `up`"
     assert not is_alive(worker.pid)
+
+
+def test_a_one_shot_process_finishing_is_not_a_failure(
+    supervisor: Supervisor, stand_in: Callable[..., ProcessSpec]
+) -> None:
+    task = supervisor.start(stand_in("tiny-model", "--exit-at-start", "0"), one_shot=True)
+    worker = supervisor.start(stand_in("decode-0"))
+    supervisor.wait_ready([worker], timeout_seconds=20)
+    assert task.popen.wait(timeout=10) == 0
+    assert supervisor.watch(deadline=time.monotonic() + 0.5) is None
+    assert supervisor.stop_reason == "time limit"

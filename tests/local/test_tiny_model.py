@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,6 +42,8 @@ def test_built_on_first_use_then_reused(local_stack: stack.LocalStack, tmp_path:
     assert local_stack._model_path() == str(model_dir)
     calls = (tmp_path / "calls.txt").read_text().splitlines()
     assert len(calls) == 1 and calls[0].startswith("tiny-model ")
+    # The finished build must not read as a process that died while serving.
+    assert local_stack.supervisor.watch(deadline=time.monotonic() + 0.3) is None
 
 
 def test_failed_build_is_a_startup_error_with_its_log(

@@ -129,7 +129,7 @@ class LocalStack:
         spec = ProcessSpec(
             name="tiny-model", argv=(*splitserve_command(), "tiny-model", str(partial)), port=0, ready_path=""
         )
-        process = self.supervisor.start(spec)
+        process = self.supervisor.start(spec, one_shot=True)
         try:
             self._wait_exit(process, timeout=600.0)
         except (StartupError, StopRequested):

@@ -103,6 +103,8 @@ class Supervisor:
         self.progress = progress
         self.stop_grace_seconds = stop_grace_seconds
         self.processes: list[RunningProcess] = []
+        # Processes expected to finish (the tiny-model build): their exit is not a failure of the stack.
+        self._one_shot: set[str] = set()
         self.stop_reason: str | None = None
         self._hurry = False
 
@@ -127,7 +129,7 @@ class Supervisor:
 
     # ------------------------------------------------------------------ start
 
-    def start(self, spec: ProcessSpec) -> RunningProcess:
+    def start(self, spec: ProcessSpec, *, one_shot: bool = False) -> RunningProcess:
         log_path = self.run_dir / f"{spec.name}.log"
         env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
         with log_path.open("ab") as log:
@@ -137,6 +139,8 @@ class Supervisor:
                 raise StartupError(f"cannot start {spec.name} ({spec.argv[0]}): {error.strerror or error}") from error
         process = RunningProcess(spec=spec, popen=popen, log_path=log_path, started_at=self.progress.elapsed())
         self.processes.append(process)
+        if one_shot:
+            self._one_shot.add(spec.name)
         self._write_state()
         where = f" on port {spec.port}" if spec.port else ""
         self.progress.say(f"starting {spec.name}{where} (pid {popen.pid}, log {log_path.name})")
@@ -229,9 +233,10 @@ class Supervisor:
     # ------------------------------------------------------------------ run
 
     def watch(self, deadline: float | None) -> RunningProcess | None:
-        """Block until a stop is requested, the deadline passes, or a child exits (returned)."""
+        """Block until a stop is requested, the deadline passes, or a serving child exits (returned)."""
+        serving = [process for process in self.processes if process.name not in self._one_shot]
         while self.stop_reason is None:
-            for process in self.processes:
+            for process in serving:
                 if process.popen.poll() is not None:
                     return process
             if deadline is not None and time.monotonic() >= deadline:
