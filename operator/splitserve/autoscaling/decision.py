@@ -206,6 +206,7 @@ class _Proposal:
     replicas: int
     text: str
     ratio: float  # value / (target for the current size): the load the flap guard compares
+    is_load: bool = True  # latency has a floor that does not fall with load: not for the flap guard
 
 
 def _ceil(x: float) -> int:
@@ -264,7 +265,7 @@ def _latency(
     if current <= 0 or ready == 0:
         return None
     replicas = _proportional(seconds / slo, current, tolerance, LATENCY_MAX_GROWTH, base=ready)
-    return _Proposal(replicas, f"{label}={_fmt(seconds)}s (SLO {_fmt(slo)}s → {replicas})", seconds / slo)
+    return _Proposal(replicas, f"{label}={_fmt(seconds)}s (SLO {_fmt(slo)}s → {replicas})", seconds / slo, False)
 
 
 def _saturation(
@@ -458,7 +459,7 @@ def decide(
             work.notes.append(f"scale-down window keeps {value} (max over {down_window:.0f}s)")
         elif value < recommendation:
             work.notes.append(f"scale-up window keeps {value} (min over {up_window:.0f}s)")
-        pressure = max((p.ratio for p in props), default=0.0)
+        pressure = max((p.ratio for p in props if p.is_load), default=0.0)
         guard, value = _apply_guard(
             state.guard(pool), work, value, recommendation, pressure, now, down_window, autoscaling.tolerance
         )
