@@ -152,3 +152,23 @@ def test_validate_command_exit_codes(tmp_path: Path) -> None:
         ["splitserve", "validate", "-f", str(tmp_path / "nope.yaml")], capture_output=True, text=True
     )
     assert missing.returncode == 1 and "cannot read" in missing.stderr and "Traceback" not in missing.stderr
+
+
+def test_render_prints_every_manifest_for_gitops(tmp_path: Path) -> None:
+    from tests.operator.helpers import REPO
+
+    result = subprocess.run(
+        ["splitserve", "render", "-f", str(REPO / "deploy/examples/keda-backend.yaml"), "-n", "prod"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    documents = list(yaml.safe_load_all(result.stdout))
+    kinds = sorted({doc["kind"] for doc in documents})
+    assert {"Deployment", "Service", "Role", "NetworkPolicy", "ScaledObject", "PodMonitor"} <= set(kinds)
+    assert all(doc["metadata"]["namespace"] == "prod" for doc in documents)
+    assert "&id" not in result.stdout, "no YAML anchors in output meant for review"
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(minimal(mode="split")))
+    refused = subprocess.run(["splitserve", "render", "-f", str(bad)], capture_output=True, text=True)
+    assert refused.returncode == 1 and "spec.mode" in refused.stderr and refused.stdout == ""

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from splitserve.autoscaling.keda import autoscaler_objects
 from splitserve.builders.monitoring import build_monitors
-from splitserve.builders.naming import Target, worker_roles
+from splitserve.builders.naming import Target, metadata, worker_roles
 from splitserve.builders.policies import build_network_policy, build_pdbs
 from splitserve.builders.router import build_router_deployment, build_router_rbac, build_router_service
 from splitserve.builders.services import build_worker_services
@@ -23,7 +24,21 @@ def build_children(target: Target) -> list[dict[str, Any]]:
         *build_pdbs(target),
         build_network_policy(target),
         *build_monitors(target),
+        *_autoscaler_objects(target),
     ]
+
+
+def _autoscaler_objects(target: Target) -> list[dict[str, Any]]:
+    """KEDA ScaledObjects or HPAs (autoscaling.backend keda/hpa); the built-in loop needs none."""
+    owner = target.owner
+    meta = metadata(target, owner.name, "autoscaler")
+    return autoscaler_objects(
+        target.spec,
+        owner.namespace,
+        owner.name,
+        labels=meta["labels"],
+        owner_references=meta.get("ownerReferences"),
+    )
 
 
 def child_key(obj: dict[str, Any]) -> tuple[str, str, str]:

@@ -14,6 +14,13 @@ from splitserve.cliutil import UserError, read_input
 from splitserve.validation import load_documents, validate_text
 
 
+class _PlainDumper(yaml.SafeDumper):
+    """No `&id001` anchors: rendered manifests are read and diffed by people."""
+
+    def ignore_aliases(self, data: object) -> bool:
+        return True
+
+
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-f", "--filename", required=True, help="InferenceDeployment YAML ('-' for stdin)")
     parser.add_argument("-n", "--namespace", default=None, help="namespace when the file does not set one")
@@ -36,5 +43,5 @@ def run(args: argparse.Namespace) -> int:
         spec = InferenceDeploymentSpec.model_validate(doc["spec"])
         target = Target(Owner(doc["metadata"]["name"], namespace), spec, Images.from_environment())
         manifests.extend(build_children(target))
-    sys.stdout.write(yaml.safe_dump_all(manifests, sort_keys=False, width=120))
+    sys.stdout.write(yaml.dump_all(manifests, Dumper=_PlainDumper, sort_keys=False, width=120))
     return 0
