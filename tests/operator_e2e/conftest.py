@@ -27,7 +27,8 @@ class OperatorProcess:
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
-                env=self.emulator.env(),
+                # A fast diagnosis timer so status.diagnosis shows up within the test's patience.
+                env={**self.emulator.env(), "SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3"},
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )

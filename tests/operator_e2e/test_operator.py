@@ -298,3 +298,40 @@ def test_kubectl_scale_is_honoured_until_the_spec_changes(
         timeout=TIMEOUT,
         message="a Scaled event",
     )
+
+
+def test_a_model_that_cannot_fit_degrades_and_nothing_is_applied(client: EmulatorClient) -> None:
+    h100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+    spec = {
+        "model": {
+            "name": "big",
+            "source": {"uri": "s3://models/70b"},
+            "dtype": "bfloat16",
+            "parameterCount": 70_600_000_000,
+        },
+        "prefill": {"nodeSelector": h100},
+        "decode": {"nodeSelector": h100},
+    }
+    client.create(idep("big", **spec))
+    degraded = wait_condition(client, "big", "Degraded", "True", "ModelDoesNotFit")
+    assert "does not fit" in degraded["message"] and "TP" in degraded["message"]
+    assert deployment(client, "big-prefill") is None and deployment(client, "big-decode") is None
+    tp4 = {"tensorParallelSize": 4, "resources": {"gpus": 4}, "nodeSelector": h100}
+    client.patch(*IDEP, "big", {"spec": {"prefill": tp4, "decode": tp4}}, namespace=NAMESPACE)
+    wait_condition(client, "big", "Ready", "True")
+
+
+def test_diagnosis_is_written_to_status_and_shown_by_kubectl(
+    cluster: tuple[EmulatorProcess, OperatorProcess], client: EmulatorClient
+) -> None:
+    client.create(idep("diag"))
+    diagnosis = wait_for(
+        lambda: (client.get(*IDEP, "diag", namespace=NAMESPACE).get("status") or {}).get("diagnosis"),
+        timeout=TIMEOUT,
+        message="status.diagnosis",
+    )
+    assert len(diagnosis["findings"]) == 6
+    assert diagnosis["summary"]
+    assert any("no telemetry" in f["verdict"] or "no telemetry" in f.get("evidence", "") for f in diagnosis["findings"])
+    wide = Kubectl(cluster[0], namespace=NAMESPACE)("get", "idep", "diag", "-o", "wide").stdout
+    assert diagnosis["summary"].split()[0] in wide.splitlines()[1]

@@ -35,6 +35,10 @@ from splitserve.controller.drift import contains
 from splitserve.controller.kube import KubeClient, KubeError
 from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.rollup import PoolObservation, Problem, roll_up
+from splitserve.diagnosis.findings import DiagnosisInput
+from splitserve.diagnosis.model_facts import model_facts
+from splitserve.diagnosis.questions import hardware_fit
+from splitserve.diagnosis.service import gpu_choices
 from splitserve.validation import validate_object
 
 log = logging.getLogger("splitserve.reconcile")
@@ -124,6 +128,13 @@ class Reconciler:
             self.metrics.reconciles.labels("degraded").inc()
             raise RetryLater(missing.message, delay=10)
 
+        unfit = model_fit_problem(spec)
+        if unfit is not None:
+            # Pods would only crash with out-of-memory while loading: apply nothing, say why.
+            await self._write_status(body, spec, unfit)
+            await self.post(body, "Warning", unfit.reason, unfit.message)
+            self.metrics.reconciles.labels("degraded").inc()
+            return
         target = Target(owner, spec, self.images)
         desired = build_children(target)
         failures: list[str] = []
@@ -305,3 +316,21 @@ def _worker_role(child: Mapping[str, Any]) -> Role | None:
         return None
     role = child["metadata"].get("labels", {}).get(LABEL_ROLE)
     return Role(role) if role in {r.value for r in Role} else None
+
+
+def model_fit_problem(spec: InferenceDeploymentSpec) -> Problem | None:
+    """ModelDoesNotFit when the weights certainly exceed the pools' GPUs (diagnosis question 1).
+
+    Only certain verdicts block: the GPU type must be known from a node selector (not assumed)
+    and the parameter count declared or read from the model's config (not guessed from a name).
+    """
+    facts = model_facts(spec)
+    gpus = gpu_choices(spec, None)
+    if any(choice.assumed for choice in gpus.values()) or facts.parameter_count is None:
+        return None
+    if spec.model.parameter_count is None and "config" not in facts.parameter_source:
+        return None
+    result = hardware_fit(DiagnosisInput(spec, facts, gpus))
+    if not result.verdict.startswith("does not fit"):
+        return None
+    return Problem("ModelDoesNotFit", f"{result.verdict}. Options: {result.recommendation}"[:2000])
