@@ -104,3 +104,18 @@ def test_children_do_not_outlive_up_killed_outright(tmp_path: Path) -> None:
         if up.popen.poll() is None:
             up.popen.kill()
     assert _wait_gone(children, 30) == set()
+
+
+def test_verbose_prints_one_line_per_request(tmp_path: Path) -> None:
+    up = start_up("--engine", "sim", "-f", DISAGGREGATED, "--port", "0", "--verbose", run_dir=tmp_path)
+    try:
+        endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=60).group(1)
+        client = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=30)
+        client.completions.create(model="tiny-llama", prompt="Hello, my name is", max_tokens=8)
+        line = up.wait_for_line(re.compile(r"request \w+ \|.*"), seconds=15).group(0)
+    finally:
+        up.popen.send_signal(signal.SIGTERM)
+        up.popen.wait(timeout=30)
+    assert "/v1/completions" in line
+    assert "disaggregated (prefill-0 -> decode-0)" in line, "worker URLs are shown as process names"
+    assert "200 success" in line and "8 completion tokens" in line

@@ -34,8 +34,10 @@ def send_smoke_request(endpoint: str, model: str, timeout_seconds: float = 120.0
 def example_commands(endpoint: str, model: str) -> list[str]:
     body = json.dumps(completion_body(model, prompt="Hello, my name is"))
     curl = f"curl -s {endpoint}/completions -H 'Content-Type: application/json' -d {shlex.quote(body)}"
-    python = f"OPENAI_BASE_URL={endpoint} OPENAI_API_KEY=unused python -c " + shlex.quote(
+    # Double-quoted Python literals, so the shell's single quotes wrap the code without escapes.
+    code = (
         "import openai; print(openai.OpenAI().completions.create("
-        f"model={model!r}, prompt='Hello, my name is', max_tokens=16).choices[0].text)"
+        f'model={json.dumps(model)}, prompt="Hello, my name is", max_tokens=16).choices[0].text)'
     )
+    python = f"OPENAI_BASE_URL={endpoint} OPENAI_API_KEY=unused python -c {shlex.quote(code)}"
     return [curl, python]
