@@ -1,8 +1,9 @@
 """`up --verbose`: one summary line per request, read from the router's log as it is written.
 
-The router writes one record per finished request. Either form is understood:
-  JSON:    {"event": "request", "request_id": "...", "mode": "disaggregated", "status": 200, ...}
-  logfmt:  ... request_id=abc mode=disaggregated status=200 prefill=http://... duration_s=0.21 ...
+The router writes one record per finished request, as JSON after its log prefix (logger
+``splitserve.router.requests``):
+  INFO splitserve.router.requests: {"event": "request", "request_id": "...", "mode": "disaggregated", ...}
+The logfmt form (``request_id=abc mode=disaggregated status=200 ...``) is read too.
 A line that carries no request_id is not a request record and is skipped.
 """
 
