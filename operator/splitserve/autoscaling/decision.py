@@ -82,7 +82,9 @@ class FlapGuard:
 
     The pool stays at `floor` or above until its load *at this size* falls by more than the
     tolerance below `reference`, the load measured here once the scale-down window has passed
-    since `since` (the new replicas have had time to start and the queue to drain). Without it a
+    since `since` (the new replicas have had time to start and the queue to drain), or until the
+    recommendation falls at least two below the floor (the traffic has gone; the flap this guards
+    against is the one-step swing between floor - 1 and floor). Without it a
     queue that grows faster than linearly as replicas are removed makes "scale down, overload,
     scale up" repeat every scale-down window at a perfectly steady load.
     """
@@ -511,6 +513,11 @@ def _apply_guard(
 ) -> tuple[FlapGuard | None, int]:
     """Update this pool's FlapGuard and keep the stabilized size at or above its floor."""
     current = work.current
+    if guard is not None and recommendation <= guard.floor - 2:
+        # The load now fits well below the size that was overloaded (the one-step flap the guard
+        # exists for is recommendation == floor - 1): the traffic has gone, not a queue's swing.
+        work.notes.append(f"flap guard released: load fits {recommendation} < {guard.floor - 1}")
+        guard = None
     if guard is not None and current >= guard.floor:
         if guard.reference is None:
             if now - guard.since >= down_window:
