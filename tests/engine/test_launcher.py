@@ -171,10 +171,11 @@ def test_preflight_refuses_ports_in_use(model_dir: Path, busy_port: int) -> None
 
 STAND_IN = textwrap.dedent(
     """
-    import signal, sys, time
+    import os, signal, sys, time
     def stop(signum, frame):
-        print(f"got {signum}", flush=True)
-        sys.exit(int(sys.argv[sys.argv.index("--exit-code") + 1]))
+        # os.write, not print: the signal may land while print("engine up") still holds stdout's lock.
+        os.write(1, f"got {signum}\\n".encode())
+        os._exit(int(sys.argv[sys.argv.index("--exit-code") + 1]))
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     print("engine up", flush=True)

@@ -250,15 +250,23 @@ def _die_with_parent() -> None:
 
 def run_engine(plan: LaunchPlan) -> int:
     """Run vLLM to completion, forwarding SIGTERM/SIGINT; returns its exit status (128+N if killed by N)."""
-    # Its own process group, so a terminal's Ctrl-C reaches the engine once (through us), not twice.
-    process = subprocess.Popen(plan.argv, env=plan.env, process_group=0, preexec_fn=_die_with_parent)
+    started: list[subprocess.Popen[bytes]] = []
+    early: list[int] = []  # signals that arrived before the engine existed
 
     def forward(signum: int, _frame: FrameType | None) -> None:
-        if process.poll() is None:
-            process.send_signal(signum)
+        if not started:
+            early.append(signum)
+        elif started[0].poll() is None:
+            started[0].send_signal(signum)
 
+    # Handlers first, so a SIGTERM right at start-up is not lost (or fatal to us alone).
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
     try:
+        # Its own process group, so a terminal's Ctrl-C reaches the engine once (through us), not twice.
+        process = subprocess.Popen(plan.argv, env=plan.env, process_group=0, preexec_fn=_die_with_parent)
+        started.append(process)
+        for signum in early:
+            process.send_signal(signum)
         returncode = process.wait()
     finally:
         for signum, handler in previous.items():
