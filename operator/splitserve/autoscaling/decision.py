@@ -9,8 +9,8 @@ and targets plus the prefill TTFT SLO). How one pool's size is chosen (in this o
 
 1. **Hold** when its data is missing or stale: Prometheus unavailable (signals None), a required
    signal absent/NaN (prefill: `waiting`; decode/aggregated: `waiting` and `running`), or the
-   newest worker sample older than `stale_after_seconds`. A held pool keeps its size (only clamped into
-   [minReplicas, maxReplicas]) and adds nothing to the history.
+   newest worker sample older than `stale_after_seconds`. A held pool keeps its size (only
+   clamped into [minReplicas, maxReplicas]) and adds nothing to the history.
 2. **Proposals**, one per signal, each like a Kubernetes HPA metric:
    - load totals (prefill: prompts not yet answered = router queue + vLLM waiting + vLLM running,
      target `waitingPerReplica` — vLLM admits prompts into "running" and works through them by
@@ -37,13 +37,14 @@ and targets plus the prefill TTFT SLO). How one pool's size is chosen (in this o
    The recommendation is the largest proposal, clamped into [minReplicas, maxReplicas].
 3. **Stabilization** (HPA's algorithm): up = min of the recommendations over the scale-up window,
    down = max over the scale-down window; grow to `up` if below it, shrink to `down` if above it.
-   Fast up (window 0 by default), slow down (300 s by default).
+   Fast up (window 0 by default), slow down (300 s by default). Then the **flap guard** (see
+   `FlapGuard`): after a load-driven scale-up from size s, the pool does not go back to s until its
+   load at the new size has fallen by more than the tolerance (or fits two below s).
 4. **Prefill:decode ratio bounds** (disaggregated, optional): the smaller side is raised (never
    lowered: that could drop capacity the load needs) until min ≤ prefill/decode ≤ max.
-   Then the **flap guard** (see `FlapGuard`): after a load-driven scale-up from size s, the pool
-   does not go back to s until its load at the new size has fallen by more than the tolerance.
 5. **Step limit**: at most `maxStep` replicas added or removed per decision.
-6. **Scale from zero**: a pool at 0 with a backlog (router queue or waiting) > 0 gets at least 1.
+6. **Scale from zero**: a pool at 0 with a backlog (router queue or waiting; prefill: also
+   running) > 0 gets at least 1.
 7. Final clamp into [minReplicas, maxReplicas] (bounds always hold, even over the step limit).
 """
 
