@@ -56,12 +56,16 @@ async def autoscale_once(
     if not spec.autoscaling.enabled or spec.autoscaling.backend != "builtin":
         return state
     current: dict[str, int] = {}
+    ready: dict[str, int] = {}
     for role in worker_roles(spec):
         deployment = await reconciler.kube.get("apps/v1", "Deployment", namespace, pool_name(name, role))
         if deployment is None:
             return state  # not created yet: the reconciler creates it at its declared size
         current[str(role)] = int(deployment.get("spec", {}).get("replicas", 1))
-    evaluation = await evaluate(spec, namespace, name, current, state, now or time.time(), prometheus)
+        ready[str(role)] = int((deployment.get("status") or {}).get("readyReplicas", 0))
+    # Ready counts let latency and usage scale from the replicas really serving, so a scale-up
+    # still loading its engines is not compounded on the next evaluation.
+    evaluation = await evaluate(spec, namespace, name, current, state, now or time.time(), prometheus, ready=ready)
     metrics = reconciler.metrics
     metrics.prometheus_up.labels(namespace, name).set(
         0 if evaluation.condition.reason == "PrometheusUnavailable" else 1
