@@ -168,9 +168,12 @@ def installed(cluster: Cluster, render_chart: RenderChart) -> Cluster:
     args = operator_args_the_cli_knows(container["args"])
     liveness = args.index("--liveness") + 1
     assert args[liveness] == "http://0.0.0.0:8080/healthz"
+    metrics = args.index("--metrics-port") + 1 if "--metrics-port" in args else None
     for replica in range(deployment["spec"]["replicas"]):
-        # Pods each have their own network namespace; processes on one host need their own port.
+        # Pods each have their own network namespace; processes on one host need their own ports.
         args[liveness] = f"http://127.0.0.1:{fixtures_module().free_port()}/healthz"
+        if metrics is not None:
+            args[metrics] = str(fixtures_module().free_port())
         cluster.start_operator(list(args), literal_env, pod_name=f"splitserve-operator-{replica}")
     return cluster
 
@@ -285,6 +288,8 @@ def test_namespaced_install_needs_nothing_outside_its_namespaces(
         [container] = deployment["spec"]["template"]["spec"]["containers"]
         args = operator_args_the_cli_knows(container["args"])
         args[args.index("--liveness") + 1] = f"http://127.0.0.1:{fixtures.free_port()}/healthz"
+        if "--metrics-port" in args:
+            args[args.index("--metrics-port") + 1] = str(fixtures.free_port())
         cluster.start_operator(args, {}, pod_name="splitserve-operator-0")
         example = yaml.safe_load((REPO_ROOT / "deploy" / "examples" / "small-aggregated.yaml").read_text())
         cluster.kubectl("apply", "-n", "team-a", "-f", "-", stdin=yaml.safe_dump(example))

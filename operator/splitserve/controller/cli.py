@@ -7,6 +7,7 @@ import asyncio
 import contextlib
 import logging
 import random
+import sys
 
 from splitserve.api.base import API_GROUP
 
@@ -41,7 +42,14 @@ def run(args: argparse.Namespace) -> int:
     if args.metrics_port is not None:
         from prometheus_client import start_http_server
 
-        start_http_server(args.metrics_port, registry=metrics.registry)
+        try:
+            start_http_server(args.metrics_port, registry=metrics.registry)
+        except OSError as error:
+            print(
+                f"splitserve operator: cannot serve metrics on port {args.metrics_port}: {error.strerror}",
+                file=sys.stderr,
+            )
+            return 1
     # Replicas with the same priority would all pause (kopf treats them as conflicting).
     priority = args.priority if args.priority is not None else random.randint(1, 1_000_000)
     with contextlib.suppress(KeyboardInterrupt, asyncio.CancelledError):
