@@ -47,6 +47,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--kv-cache-bytes",
         help=f"KV cache size, e.g. 256M or 1G (--kv-cache-memory-bytes; --cpu default {CPU_DEFAULT_KV_CACHE_BYTES})",
     )
+    parser.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=0.0,
+        metavar="SECONDS",
+        help="on SIGTERM, wait up to this long for running requests to finish and held KV to be pulled",
+    )
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
     parser.add_argument("vllm_args", nargs="*", metavar="VLLM_ARGS", help="vLLM server arguments after --")
 
@@ -129,4 +136,4 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
     print(f"{PROG}: starting vLLM ({plan.role}) on port {plan.port}: {shlex.join(plan.argv)}", file=sys.stderr)
-    return run_engine(plan)
+    return run_engine(plan, drain_timeout_s=args.drain_timeout)

