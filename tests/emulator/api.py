@@ -219,7 +219,8 @@ class KubernetesApi:
             self.registry.register_crd(stored)
         # Like kube-controller-manager's GC: an object written with owners that are all gone
         # (an owner deleted while a controller was still applying its children) is collected.
-        if stored["metadata"].get("ownerReferences"):
+        references = stored["metadata"].get("ownerReferences") or []
+        if references and not any(self.store.find_uid(ref.get("uid", "")) for ref in references):
             self.collect_garbage()
 
     def _tracked_fields(self, info: ResourceInfo, subresource: str) -> managed_fields.Tracked:
