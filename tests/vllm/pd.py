@@ -11,15 +11,9 @@ from typing import Any
 
 import httpx
 
-# What the prefill leg sends: "compute this prompt, keep its KV for a remote decode".
-PREFILL_KV_PARAMS: dict[str, Any] = {
-    "do_remote_decode": True,
-    "do_remote_prefill": False,
-    "remote_engine_id": None,
-    "remote_block_ids": None,
-    "remote_host": None,
-    "remote_port": None,
-}
+# What the prefill leg sends ("compute this prompt, keep its KV for a remote decode"): the router's.
+from splitserve.router.flow import PREFILL_KV_PARAMS
+
 GREEDY: dict[str, Any] = {"temperature": 0.0, "max_tokens": 16, "ignore_eos": True}
 # Ids below this are the tokenizer's special tokens.
 FIRST_ORDINARY_TOKEN = 3

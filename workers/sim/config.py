@@ -11,13 +11,7 @@ import math
 from dataclasses import dataclass, field
 from enum import StrEnum
 
-
-class Role(StrEnum):
-    """What part of disaggregated serving a worker plays (mirrors vLLM's ``kv_role``)."""
-
-    PREFILL = "prefill"
-    DECODE = "decode"
-    AGGREGATED = "aggregated"
+from splitserve.api.spec import Role as Role  # one Role for the API, the operator and the simulator
 
 
 class KVLoadFailurePolicy(StrEnum):
