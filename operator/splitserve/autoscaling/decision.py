@@ -55,8 +55,9 @@ import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from splitserve.api.spec import InferenceDeploymentSpec, PoolSpec
+from splitserve.api.spec import InferenceDeploymentSpec, PoolSpec, Role
 from splitserve.autoscaling.signals import Pool, PoolSignals, autoscaled_pools
+from splitserve.builders.vllm_args import role_pool
 
 STATE_VERSION = 1
 # Runs of equal recommendations are stored once, so this only bounds pathological churn.
@@ -383,7 +384,7 @@ def _clamp(value: int, low: int, high: int) -> int:
 
 
 def _pool_spec(spec: InferenceDeploymentSpec, pool: Pool) -> PoolSpec:
-    return spec.prefill if pool == "prefill" else spec.decode
+    return role_pool(spec, Role(pool))
 
 
 @dataclass

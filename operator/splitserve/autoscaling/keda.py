@@ -68,8 +68,9 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.api.spec import InferenceDeploymentSpec, Role
 from splitserve.autoscaling.signals import Pool, autoscaled_pools, query_for, router_pool
+from splitserve.builders.vllm_args import role_pool
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 HPA_API_VERSION = "autoscaling/v2"
@@ -183,7 +184,7 @@ def scaled_object(
 ) -> dict[str, Any]:
     """One keda.sh/v1alpha1 ScaledObject scaling `<name>-<pool>`."""
     autoscaling = spec.autoscaling
-    pool_spec = spec.prefill if pool == "prefill" else spec.decode
+    pool_spec = role_pool(spec, Role(pool))
     metadata = _metadata(name, namespace, pool, labels)
     if owner_references:
         metadata["ownerReferences"] = owner_references
@@ -254,7 +255,7 @@ def horizontal_pod_autoscaler(
     owner_references: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """One autoscaling/v2 HorizontalPodAutoscaler on prometheus-adapter external metrics."""
-    pool_spec = spec.prefill if pool == "prefill" else spec.decode
+    pool_spec = role_pool(spec, Role(pool))
     metadata = _metadata(name, namespace, pool, labels)
     if owner_references:
         metadata["ownerReferences"] = owner_references
