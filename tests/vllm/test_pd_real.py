@@ -238,7 +238,16 @@ def test_measure_latency_memory_and_startup(cluster: Cluster, client: httpx.Clie
     if out:
         with open(out, "w", encoding="utf-8") as handle:
             json.dump(figures, handle, indent=1)
-    assert figures["prompt_1000"]["aggregated_ttft_ms"]["min"] > figures["prompt_24"]["aggregated_ttft_ms"]["min"]
+    # No timing assertions here (they flake under load; figures are for the calibration note). What must hold is
+    # that every P/D request above was served by the decode engine and that its KV really came over NIXL.
+    decode_requests = counter(decode_after, "vllm:time_to_first_token_seconds_count") - counter(
+        decode_before, "vllm:time_to_first_token_seconds_count"
+    )
+    nixl_transfers = counter(decode_after, "vllm:nixl_xfer_time_seconds_count") - counter(
+        decode_before, "vllm:nixl_xfer_time_seconds_count"
+    )
+    assert decode_requests == 6, figures
+    assert nixl_transfers >= 3, figures
 
 
 def milliseconds(seconds: Iterable[float]) -> dict[str, Any]:
