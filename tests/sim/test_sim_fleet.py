@@ -8,7 +8,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 
 import aiohttp
 from sim_helpers import fast_config, post
@@ -18,9 +17,7 @@ from splitserve.sim import Role, SimConfig, SimFleet, generate_text, tokenize
 
 async def test_thirty_sims_in_one_process_start_and_answer(http: aiohttp.ClientSession) -> None:
     configs = [fast_config(role=Role.AGGREGATED, model=f"m{i % 3}") for i in range(30)]
-    started = time.monotonic()
     async with SimFleet(configs) as fleet:
-        startup = time.monotonic() - started
         assert len(set(fleet.urls)) == 30
         replies = await asyncio.gather(
             *(
@@ -28,12 +25,9 @@ async def test_thirty_sims_in_one_process_start_and_answer(http: aiohttp.ClientS
                 for i, w in enumerate(fleet.workers)
             )
         )
-        elapsed = time.monotonic() - started
     for i, (status, body) in enumerate(replies):
         assert status == 200
         assert body["choices"][0]["text"] == generate_text(tokenize(f"hi {i}"), 8)
-    # Generous bounds (the machine is shared); typically ~0.3 s to start and ~0.6 s in all.
-    assert startup < 5.0 and elapsed < 10.0, (startup, elapsed)
 
 
 async def test_replicas_get_distinct_engine_ids_and_ports() -> None:
