@@ -50,7 +50,7 @@ def test_watch_without_resource_version_lists_first_and_times_out(
         timeoutSeconds="1",
         allowWatchBookmarks="true",
     )
-    assert 0.9 <= time.monotonic() - started < 5
+    assert 0.9 <= time.monotonic() - started < 30  # honours timeoutSeconds; upper bound loose for loaded CI
     assert [event["type"] for event in events] == ["ADDED", "BOOKMARK"]
     assert int(events[-1]["object"]["metadata"]["resourceVersion"]) > 0
 

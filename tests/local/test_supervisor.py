@@ -74,7 +74,7 @@ def test_not_ready_in_time(supervisor: Supervisor, stand_in: Callable[..., Proce
     started = time.monotonic()
     with pytest.raises(StartupError, match="decode-0 not ready after 1s"):
         supervisor.wait_ready([slow], timeout_seconds=1)
-    assert time.monotonic() - started < 10
+    assert time.monotonic() - started < 30  # gave up at the timeout, not after the 60 s stand-in
 
 
 def test_sigterm_ignored_means_sigkill_after_grace(
