@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -82,10 +83,28 @@ def _router_port(requested: int | None) -> tuple[int, str | None]:
     return requested, None
 
 
-def _run_dir(requested: Path | None, name: str) -> Path:
-    run_dir = requested or CACHE_DIR / "runs" / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
+KEPT_RUN_DIRS = 20  # logs of the last runs stay for post-mortems; older ones would pile up without end
+
+
+def _run_dir(requested: Path | None, name: str, runs_root: Path = CACHE_DIR / "runs") -> Path:
+    if requested is not None:
+        requested.mkdir(parents=True, exist_ok=True)
+        return requested.resolve()
+    prune_run_dirs(runs_root, keep=KEPT_RUN_DIRS - 1)
+    run_dir = runs_root / f"{name}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_dir.mkdir(parents=True, exist_ok=True)
     return run_dir.resolve()
+
+
+def prune_run_dirs(runs_root: Path, keep: int) -> list[Path]:
+    """Delete all but the `keep` newest run directories under `runs_root` (only ours: the default root)."""
+    if not runs_root.is_dir():
+        return []
+    runs = sorted((entry for entry in runs_root.iterdir() if entry.is_dir()), key=lambda entry: entry.stat().st_mtime)
+    removed = runs[: max(0, len(runs) - keep)]
+    for old in removed:
+        shutil.rmtree(old, ignore_errors=True)
+    return removed
 
 
 def run(args: argparse.Namespace) -> int:
