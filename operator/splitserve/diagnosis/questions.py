@@ -506,11 +506,17 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
         )
     if over:
         recommendation, patch = _lower_decode_batch(inp, itl.value, slo)
+        # "Too busy" only explains the miss when speculative decoding is off and the batch is past the
+        # low-load range; with it already on at a small batch the engine is simply too slow per step.
+        why = (
+            f"even with speculative decoding ({spec_decode.method}) on"
+            if spec_decode.method != "off"
+            else "too busy for speculative decoding to pay"
+        )
         return answer(
             5,
             "problem",
-            f"ITL p90 {itl.value * 1000:.0f} ms over the {slo * 1000:.0f} ms SLO at batch {load:.1f}: "
-            "too busy for speculative decoding to pay",
+            f"ITL p90 {itl.value * 1000:.0f} ms over the {slo * 1000:.0f} ms SLO at batch {load:.1f}: {why}",
             tuple(evidence),
             recommendation,
             patch,
