@@ -7,11 +7,12 @@ RouterReady the way KServe rolls its per-workload conditions. There is no `phase
 from __future__ import annotations
 
 from enum import StrEnum
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import Field
 
 from splitserve.api.base import ApiModel
+from splitserve.api.spec import Opaque
 
 
 class ConditionType(StrEnum):
@@ -62,7 +63,7 @@ class Finding(ApiModel):
     verdict: str
     evidence: str = ""
     recommendation: str = ""
-    patch: dict[str, Any] | None = None
+    patch: Opaque | None = None
 
 
 class DiagnosisStatus(ApiModel):
@@ -72,10 +73,32 @@ class DiagnosisStatus(ApiModel):
 
 
 class OptimizationEvent(ApiModel):
+    """One change dynamic optimization made (or undid), with what the autopilot needs to judge it later."""
+
     time: str
     action: str
     reason: str
-    reverted: bool = False
+    reverted: bool = Field(False, description="This entry undoes an earlier change.")
+    kind: str = Field("", description="mode, speculativeDecoding or ratio.")
+    patch: Opaque | None = Field(None, description="The merge patch this change applied over the spec.")
+    undo_patch: Opaque | None = Field(None, description="The merge patch that undoes it.")
+    target_metric: str = Field("", description="The metric that decides whether the change is kept.")
+    baseline: float | None = Field(None, description="The target metric's mean before the change.")
+    numbers: dict[str, float] = Field(default_factory=dict, description="The evidence behind the change.")
+    timestamp: float = Field(0.0, description="Unix time of the change (the autopilot's clock).")
+    undone: bool = Field(False, description="This change was later undone because its target metric got worse.")
+
+
+class AutopilotStatus(ApiModel):
+    """Dynamic optimization's state. The spec stays the user's intent; what the operator serves is the
+    spec deep-merged with `overrides` (minus vetoed kinds; nothing when spec.optimization.dynamic is off)."""
+
+    overrides: Opaque = Field(
+        default_factory=dict, description="Merge patch over the spec currently in effect (the applied changes)."
+    )
+    time: str | None = Field(None, description="RFC 3339 time of the last evaluation.")
+    note: str = Field("", description="What the last evaluation decided, or why it changed nothing.")
+    samples: int = Field(0, ge=0, description="Telemetry samples the autopilot holds in memory.")
 
 
 class InferenceDeploymentStatus(ApiModel):
@@ -90,3 +113,4 @@ class InferenceDeploymentStatus(ApiModel):
     autoscaling: AutoscalingStatus | None = None
     diagnosis: DiagnosisStatus | None = None
     optimization: list[OptimizationEvent] = Field(default_factory=list, max_length=20)
+    autopilot: AutopilotStatus | None = None

@@ -3,7 +3,9 @@
 - create / update / resume of an InferenceDeployment: full reconcile (with pruning);
 - any event of a child Deployment or Service (labelled with its owner): reconcile the owner,
   which restores a child deleted or edited by hand and rolls its status up;
-- a slow timer: the same reconcile, catching drift on kinds that are not watched (RBAC, PDBs).
+- a slow timer: the same reconcile, catching drift on kinds that are not watched (RBAC, PDBs);
+- the built-in autoscaler (a daemon), the diagnosis (a slow timer) and, only while
+  spec.optimization.dynamic is on, the autopilot (a timer, SPLITSERVE_AUTOPILOT_* knobs).
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import time
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,6 +23,7 @@ from splitserve.api.base import API_GROUP, API_VERSION, PLURAL
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.autoscaling.prometheus import PrometheusClient
 from splitserve.builders.naming import FIELD_MANAGER, LABEL_DEPLOYMENT, Images
+from splitserve.controller.autopilot_loop import AutopilotSettings, new_samples, optimize_once
 from splitserve.controller.kube import KubeClient, load_access
 from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.reconcile import Reconciler, RetryLater
@@ -28,6 +32,8 @@ from splitserve.controller.timers import autoscale_once, builtin_autoscaling, di
 DRIFT_INTERVAL_SECONDS = 60.0
 # Diagnosis reads minutes of telemetry; more often would only repeat itself. Tests shorten it.
 DIAGNOSIS_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS", "300"))
+# One telemetry sample per run; the policy's windows are what make evidence "sustained". Tests shorten all.
+AUTOPILOT = AutopilotSettings.from_environment()
 # Typed loosely: kopf.PRESENT is a filter token, not a str.
 CHILD_FILTER: dict[str, Any] = {
     LABEL_DEPLOYMENT: kopf.PRESENT,
@@ -127,3 +133,20 @@ async def diagnosis_timer(namespace: str | None, name: str, spec: kopf.Spec, mem
     url = str(spec.get("autoscaling", {}).get("prometheusUrl", ""))
     async with PrometheusClient(url) as client:
         await diagnose_once(memo.reconciler, namespace, name, client)
+
+
+def _dynamic(spec: kopf.Spec, **_: Any) -> bool:
+    return bool((spec.get("optimization") or {}).get("dynamic"))
+
+
+@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=AUTOPILOT.interval_s, initial_delay=1, when=_dynamic)
+async def autopilot_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+    """Dynamic optimization: one sample, one decision, at most one change (spec.optimization.dynamic)."""
+    if namespace is None:
+        return
+    # kopf gives each object its own memo (a copy of the operator's): the sample window lives there.
+    if "autopilot_samples" not in memo:
+        memo["autopilot_samples"] = new_samples(AUTOPILOT)
+    url = str(spec.get("autoscaling", {}).get("prometheusUrl", ""))
+    async with PrometheusClient(url) as client:
+        await optimize_once(memo.reconciler, namespace, name, client, memo["autopilot_samples"], time.time(), AUTOPILOT)

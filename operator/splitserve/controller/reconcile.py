@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
-from splitserve.api.status import InferenceDeploymentStatus
+from splitserve.api.status import AutopilotStatus, InferenceDeploymentStatus
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.naming import (
     ANNOTATION_DECLARED_REPLICAS,
@@ -27,11 +27,14 @@ from splitserve.builders.naming import (
     Owner,
     Target,
     pool_name,
+    prefill_service_name,
     router_endpoint,
     router_name,
+    worker_roles,
 )
 from splitserve.builders.vllm_args import role_pool
 from splitserve.controller.drift import contains
+from splitserve.controller.effective import active_overrides, declared, effective_spec, merge_patch_between
 from splitserve.controller.kube import KubeClient, KubeError
 from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.rollup import PoolObservation, Problem, roll_up
@@ -58,6 +61,9 @@ PRUNABLE_KINDS: list[tuple[str, str]] = [
 
 # Event poster: (owner body, type Normal|Warning, CamelCase reason, message).
 EventSink = Callable[[Mapping[str, Any], str, str, str], Awaitable[None] | None]
+
+
+Key = tuple[str, str, str]
 
 
 class RetryLater(Exception):
@@ -120,10 +126,12 @@ class Reconciler:
         except ValidationError as error:  # the schema passed, so this is our bug; still, do not crash-loop
             await self._write_status(body, None, Problem("InvalidSpec", str(error)))
             return
+        written = spec
+        spec = await self._effective(body, spec)
 
         missing = await self._missing_prerequisites(spec, owner.namespace)
         if missing is not None:
-            await self._write_status(body, spec, missing)
+            await self._write_status(body, spec, missing, written)
             await self.post(body, "Warning", missing.reason, missing.message)
             self.metrics.reconciles.labels("degraded").inc()
             raise RetryLater(missing.message, delay=10)
@@ -131,7 +139,7 @@ class Reconciler:
         unfit = model_fit_problem(spec)
         if unfit is not None:
             # Pods would only crash with out-of-memory while loading: apply nothing, say why.
-            await self._write_status(body, spec, unfit)
+            await self._write_status(body, spec, unfit, written)
             await self.post(body, "Warning", unfit.reason, unfit.message)
             self.metrics.reconciles.labels("degraded").inc()
             return
@@ -146,14 +154,75 @@ class Reconciler:
                     failures.append(f"{child['kind']} is not installed in this cluster ({error.message})")
                 else:
                     failures.append(f"{child['kind']}/{child['metadata']['name']}: {error}")
+        # Make-before-break: after a mode switch the old pools serve until the new ones are ready.
+        kept = await self._switch_pools(body, owner, spec)
         if prune:
-            await self._prune(owner, {child_key(child) for child in desired})
+            await self._prune(owner, {child_key(child) for child in desired} | kept)
         problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
-        await self._write_status(body, spec, problem)
+        await self._write_status(body, spec, problem, written)
         self.metrics.reconciles.labels("degraded" if failures else "ok").inc()
         if failures:
             await self.post(body, "Warning", "ApplyFailed", problem.message if problem else "")
             raise RetryLater(problem.message if problem else "", delay=30)
+
+    async def _effective(self, body: Mapping[str, Any], spec: InferenceDeploymentSpec) -> InferenceDeploymentSpec:
+        """The spec to serve: the written spec with dynamic optimization's overrides (read fresh) merged in."""
+        meta = body["metadata"]
+        fresh = await self.kube.get(*IDEP, meta["namespace"], meta["name"])
+        autopilot = ((fresh or body).get("status") or {}).get("autopilot") or {}
+        overrides = autopilot.get("overrides") or {}
+        if not overrides:
+            return spec
+        try:
+            effective = effective_spec(spec, overrides)
+        except ValidationError as error:
+            effective, why = spec, str(error)
+        else:
+            problems = validate_object({**body, "spec": declared(effective)})
+            why = "; ".join(f"{p.path}: {p.message}" for p in problems)
+        if why:
+            await self.post(body, "Warning", "OptimizationInvalid", f"serving the spec as written: {why}")
+            return spec
+        return effective
+
+    async def _switch_pools(self, body: Mapping[str, Any], owner: Owner, spec: InferenceDeploymentSpec) -> set[Key]:
+        """Children of the previous mode to keep for now; removed once every new pool is ready.
+
+        Worker Deployments of roles the mode no longer has (and the prefill Service when going
+        aggregated) stay until each new pool has a ready replica (or is sized to zero). The router
+        keeps serving meanwhile: decode and aggregated workers share the decode Service, and a router
+        without prefill workers sends requests whole to decode. Deleting the old pool then lets its
+        pods leave the EndpointSlices as terminating and drain (preStop pause, then the worker's drain).
+        """
+        wanted = worker_roles(spec)
+        leftovers: list[dict[str, Any]] = []
+        for role in Role:
+            if role in wanted:
+                continue
+            found = await self.kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
+            if found is not None and _owned_by(found, owner):
+                leftovers.append(found)
+        if not leftovers:
+            return set()
+        if spec.mode == Mode.AGGREGATED:
+            service = await self.kube.get("v1", "Service", owner.namespace, prefill_service_name(owner.name))
+            if service is not None and _owned_by(service, owner):
+                leftovers.append(service)
+        for role in wanted:
+            pool = await self.kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
+            if pool is None or not _serving(pool):
+                log.info(
+                    "%s/%s: keeping the previous mode's pools until %s is ready", owner.namespace, owner.name, role
+                )
+                return {child_key(obj) for obj in leftovers}
+        names = []
+        for obj in leftovers:
+            await self.kube.delete(obj["apiVersion"], obj["kind"], owner.namespace, obj["metadata"]["name"])
+            names.append(f"{obj['kind']} {obj['metadata']['name']}")
+        await self.post(
+            body, "Normal", "ModeSwitched", f"{spec.mode} pools are ready; removed {', '.join(names)} (draining)"
+        )
+        return set()
 
     async def _missing_prerequisites(self, spec: InferenceDeploymentSpec, namespace: str) -> Problem | None:
         source = spec.model.source
@@ -240,8 +309,13 @@ class Reconciler:
                     await self.kube.delete(api_version, kind, owner.namespace, obj["metadata"]["name"])
 
     async def _write_status(
-        self, body: Mapping[str, Any], spec: InferenceDeploymentSpec | None, problem: Problem | None
+        self,
+        body: Mapping[str, Any],
+        spec: InferenceDeploymentSpec | None,
+        problem: Problem | None,
+        written: InferenceDeploymentSpec | None = None,
     ) -> None:
+        """Roll up status for the served (effective) `spec`; `written` is the CR's own spec."""
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         # Read the status fresh: the autoscaler and diagnosis timers write parts of it too.
@@ -265,7 +339,24 @@ class Reconciler:
             problem=problem,
             now=utc_now(),
         )
+        if written is not None and previous.autopilot is not None:
+            status = status.model_copy(
+                update={"autopilot": await self._drop_inactive(body, written, previous.autopilot)}
+            )
         await self._patch_status_if_changed(namespace, name, previous, status)
+
+    async def _drop_inactive(
+        self, body: Mapping[str, Any], written: InferenceDeploymentSpec, autopilot: AutopilotStatus
+    ) -> AutopilotStatus:
+        """Overrides that no longer apply (dynamic turned off, a kind vetoed) leave status at once."""
+        kept = active_overrides(written, autopilot.overrides)
+        if kept == autopilot.overrides:
+            return autopilot
+        why = "dynamic optimization is off" if not written.optimization.dynamic else "vetoed or equal to the spec"
+        dropped = sorted(set(autopilot.overrides) - set(kept)) or sorted(autopilot.overrides)
+        if autopilot.overrides:
+            await self.post(body, "Normal", "OptimizationDropped", f"serving the spec as written for {dropped}: {why}")
+        return autopilot.model_copy(update={"overrides": kept, "note": f"overrides dropped: {why}"})
 
     async def update_status(
         self, namespace: str, name: str, mutate: Callable[[InferenceDeploymentStatus], InferenceDeploymentStatus]
@@ -282,14 +373,26 @@ class Reconciler:
         self, namespace: str, name: str, previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus
     ) -> None:
         new = status.model_dump(by_alias=True, mode="json", exclude_none=True)
-        if new == previous.model_dump(by_alias=True, mode="json", exclude_none=True):
+        old = previous.model_dump(by_alias=True, mode="json", exclude_none=True)
+        if new == old:
             return
         try:
-            await self.kube.patch_status(*IDEP, namespace, name, new)
+            # A merge patch with nulls for removed keys, so a key that went away (an override) is removed.
+            await self.kube.patch_status(*IDEP, namespace, name, merge_patch_between(old, new))
         except KubeError as error:
             if error.status != 404:
                 raise
             log.info("%s/%s was deleted meanwhile; its children are garbage-collected", namespace, name)
+
+
+def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
+    return any(ref.get("uid") == owner.uid for ref in obj["metadata"].get("ownerReferences", []))
+
+
+def _serving(deployment: Mapping[str, Any]) -> bool:
+    """A pool is serving once it has a ready replica, or when it is sized to zero on purpose."""
+    wanted = int(deployment.get("spec", {}).get("replicas", 1))
+    return wanted == 0 or int((deployment.get("status") or {}).get("readyReplicas", 0)) >= 1
 
 
 def _declared_mode(body: Mapping[str, Any]) -> Mode:

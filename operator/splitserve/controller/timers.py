@@ -1,6 +1,7 @@
 """The operator's periodic work for one InferenceDeployment: the built-in autoscaler and the
-diagnosis. The decisions are pure (splitserve.autoscaling, splitserve.diagnosis); this module
-reads the object and Prometheus, scales through /scale and writes the status parts it owns.
+diagnosis (dynamic optimization is in autopilot_loop), both on the served (effective) spec. The
+decisions are pure (splitserve.autoscaling, splitserve.diagnosis); this module reads the object and
+Prometheus, scales through /scale and writes the status parts it owns.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.autoscaling.evaluate import evaluate, status_for
 from splitserve.autoscaling.prometheus import PrometheusClient
 from splitserve.builders.naming import pool_name, worker_roles
+from splitserve.controller.effective import effective_spec
 from splitserve.controller.reconcile import IDEP, Reconciler, utc_now
 from splitserve.controller.rollup import merge_condition
 from splitserve.diagnosis.service import run_diagnosis
@@ -35,9 +37,15 @@ async def _spec_of(
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
     try:
-        return body, InferenceDeploymentSpec.model_validate(body["spec"])
+        written = InferenceDeploymentSpec.model_validate(body["spec"])
     except ValidationError:
         return None  # the reconciler reports InvalidSpec; nothing to scale
+    # The spec being served: dynamic optimization may have switched the mode (other pools) or more.
+    overrides = ((body.get("status") or {}).get("autopilot") or {}).get("overrides") or {}
+    try:
+        return body, effective_spec(written, overrides)
+    except ValidationError:
+        return body, written
 
 
 async def autoscale_once(

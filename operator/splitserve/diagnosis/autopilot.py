@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import statistics
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
@@ -98,10 +98,49 @@ class Action:
     numbers: dict[str, float] = field(default_factory=dict)
     reverts: Action | None = None
 
-    def to_event(self, time: str) -> OptimizationEvent:
+    def message(self) -> str:
+        """`why (numbers)`: the reason with the evidence behind it, for status and Events."""
         numbers = ", ".join(f"{key}={value:.3g}" for key, value in sorted(self.numbers.items()))
-        reason = f"{self.why} ({numbers})" if numbers else self.why
-        return OptimizationEvent(time=time, action=self.what, reason=reason, reverted=self.reverts is not None)
+        return f"{self.why} ({numbers})" if numbers else self.why
+
+    def to_event(self, time: str, timestamp: float = 0.0) -> OptimizationEvent:
+        """The status entry; it carries everything `from_event` needs to rebuild the history."""
+        return OptimizationEvent(
+            time=time,
+            action=self.what,
+            reason=self.message(),
+            reverted=self.reverts is not None,
+            kind=self.kind,
+            patch=self.patch,
+            undo_patch=self.undo_patch,
+            target_metric=self.target_metric,
+            baseline=self.baseline,
+            numbers=dict(self.numbers),
+            timestamp=timestamp,
+        )
+
+
+def from_event(event: OptimizationEvent) -> AppliedAction | None:
+    """A status entry back as history for `decide` (None for an entry that lacks the fields)."""
+    if event.kind not in ("mode", "speculativeDecoding", "ratio") or event.patch is None or event.undo_patch is None:
+        return None
+    kind: ActionKind = event.kind  # type: ignore[assignment]  # checked just above
+    metric: TargetMetric = "itl_p90" if event.target_metric == "itl_p90" else "ttft_p90"
+    action = Action(
+        kind=kind,
+        what=event.action,
+        why=event.reason,
+        patch=dict(event.patch),
+        undo_patch=dict(event.undo_patch),
+        target_metric=metric,
+        baseline=event.baseline,
+        numbers=dict(event.numbers),
+    )
+    if event.reverted:
+        # `decide` only asks whether an entry is an undo; what it undid is the same change reversed.
+        undone = Action(kind, event.action, event.reason, action.undo_patch, action.patch, metric, None)
+        action = replace(action, reverts=undone)
+    return AppliedAction(action, event.timestamp, reverted=event.undone)
 
 
 @dataclass(frozen=True)
