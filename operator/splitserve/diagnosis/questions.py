@@ -79,7 +79,17 @@ def _tp_patch(pools: Sequence[tuple[str, PoolSpec]], tp: int) -> Patch:
 def hardware_fit(inp: DiagnosisInput) -> QuestionResult:
     spec, facts = inp.spec, inp.facts
     evidence: list[Evidence] = []
-    for name, _pool in pools_in_use(spec):
+    in_use = pools_in_use(spec)
+    if all(pool.resources.gpus == 0 for _, pool in in_use):
+        # CPU-only pools (vLLM-CPU, the local tiny model): no GPU memory to fit, so no GPU to assume either.
+        names = " and ".join(name for name, _ in in_use)
+        return answer(
+            1,
+            "unknown",
+            f"fit unknown: {names} pool{'s' if len(in_use) > 1 else ''} CPU-only, the GPU memory check does not apply",
+            (Evidence(f"{names}: resources.gpus 0", "spec (resources.gpus)"),),
+        )
+    for name, _pool in in_use:
         choice = inp.gpus[name]
         evidence.append(Evidence(f"{name} GPU {choice.gpu.name}, {choice.gpu.memory_gib:g} GiB", choice.source))
     if facts.parameter_count is None or facts.kv_shape is None:
@@ -541,12 +551,12 @@ def _lower_decode_batch(inp: DiagnosisInput, itl: float, slo: float) -> tuple[st
 
 def disaggregation(inp: DiagnosisInput) -> QuestionResult:
     spec, tel, facts = inp.spec, inp.telemetry, inp.facts
-    evidence = [
-        Evidence(
-            f"mode {spec.mode}, {spec.prefill.replicas} prefill / {spec.decode.replicas} decode replicas",
-            "spec",
-        )
-    ]
+    serving = (
+        f"mode {spec.mode}, {spec.decode.replicas} replica{'s' if spec.decode.replicas != 1 else ''} (decode pool)"
+        if spec.mode is Mode.AGGREGATED
+        else f"mode {spec.mode}, {spec.prefill.replicas} prefill / {spec.decode.replicas} decode replicas"
+    )
+    evidence = [Evidence(serving, "spec")]
     if tel is None:
         return answer(6, "unknown", inp.no_telemetry(f"traffic unknown; serving {spec.mode}"), tuple(evidence))
     rate, prompt_rate, gen_rate = tel.request_rate, tel.prompt_tokens_rate, tel.generation_tokens_rate

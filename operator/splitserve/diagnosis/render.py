@@ -13,7 +13,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any
 
 from splitserve.api.status import Finding
-from splitserve.diagnosis.findings import DiagnosisInput, QuestionResult
+from splitserve.diagnosis.findings import DiagnosisInput, QuestionResult, pools_in_use
 
 JSON_SCHEMA_VERSION = "splitserve.io/v1alpha1"
 FIT_WORDS = ("fits", "tight", "does not fit", "fit unknown")
@@ -154,7 +154,11 @@ def render_text(
     width = width or max(80, min(140, shutil.get_terminal_size((120, 24)).columns))
     where = f" (namespace {namespace})" if namespace else ""
     lines = [f"Diagnosis of InferenceDeployment {name}{where}, mode {inp.spec.mode.value}"]
-    for pool, choice in inp.gpus.items():
+    for pool, spec_pool in pools_in_use(inp.spec):
+        if spec_pool.resources.gpus == 0:
+            lines.append(f"  {pool}: CPU only (resources.gpus 0)")
+            continue
+        choice = inp.gpus[pool]
         lines.append(f"  {pool} GPU: {choice.gpu.name} {choice.gpu.memory_gib:g} GiB ({choice.source})")
     if inp.facts.parameter_count is not None:
         lines.append(f"  model: {inp.facts.parameter_count / 1e9:.2f}B parameters ({inp.facts.parameter_source})")
