@@ -199,7 +199,8 @@ def create(client: EmulatorClient, name: str, prometheus_url: str, **spec: Any) 
             "spec": full,
         }
     )
-    return client.get(*IDEP, name, namespace=NAMESPACE)["spec"]
+    written: dict[str, Any] = client.get(*IDEP, name, namespace=NAMESPACE)["spec"]
+    return written
 
 
 def deployment(client: EmulatorClient, name: str) -> dict[str, Any] | None:
