@@ -39,7 +39,7 @@ from splitserve.sim import SimWorker
 from tests.emulator.client import ApiError, AsyncEmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
 from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
-from tests.router.conftest import metric_value, router_config, running_router, sim_config
+from tests.router.conftest import TIME_SCALE, metric_value, router_config, running_router, sim_config
 from tests.support_prometheus import PrometheusServer, ScrapeTarget, free_port, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
@@ -119,6 +119,8 @@ class RigSettings:
     # pod's scheduling, image pull and engine load (0 for the simulator, ~100 s for vLLM-CPU).
     worker_start_delay_s: float = 0.0
     queue_timeout_s: float = 120.0
+    # Simulated engine speed: 1.0 is the cpu-tiny profile's (calibrated on vLLM-CPU), the tests' 0.01 is 100x faster.
+    time_scale: float = TIME_SCALE
 
 
 class ScaleFromZeroRig:
@@ -136,7 +138,9 @@ class ScaleFromZeroRig:
         self.prefill_service = f"{self.settings.name}-prefill"
         self.decode_service = f"{self.settings.name}-decode"
         self.api = AsyncEmulatorClient(emulator.url)
-        self.prefill = SimWorker(sim_config("prefill", host=PREFILL_IP, port=self.port))
+        self.prefill = SimWorker(
+            sim_config("prefill", host=PREFILL_IP, port=self.port, time_scale=self.settings.time_scale)
+        )
         self.decode: SimWorker | None = None
         self.router: Router | None = None
         self.router_url = ""
@@ -288,7 +292,9 @@ class ScaleFromZeroRig:
     async def start_decode_worker(self) -> None:
         """What kubelet and the endpoints controller do for a new decode pod, minus the waiting."""
         await asyncio.sleep(self.settings.worker_start_delay_s)
-        self.decode = SimWorker(sim_config("decode", host=DECODE_IP, port=self.port))
+        self.decode = SimWorker(
+            sim_config("decode", host=DECODE_IP, port=self.port, time_scale=self.settings.time_scale)
+        )
         await self.decode.start()
         await self.publish(self.decode_service, [DECODE_IP])
 
@@ -362,7 +368,9 @@ class ScaleFromZeroRig:
     async def back_to_zero(self) -> float:
         """Wait for the autoscaler to return decode to zero, then remove the worker; seconds waited."""
         started = time.monotonic()
-        limit = self.settings.scale_down_window_s + 30 * self.settings.autoscaling_interval_s + 30
+        # Besides the scale-down window, a latency proposal keeps one replica while the p90 over
+        # rate(...[1m]) still has samples of the last request: up to a minute more.
+        limit = self.settings.scale_down_window_s + 3 * self.settings.autoscaling_interval_s + 90
         await eventually(lambda: self.replicas_equal(decode=0), "decode back to zero", limit_s=limit, every_s=0.1)
         waited = time.monotonic() - started
         await self.remove_decode_worker()
