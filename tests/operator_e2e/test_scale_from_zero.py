@@ -314,6 +314,7 @@ class ScaleFromZeroRig:
         router = self.router
         owned = client is None
         http = client or httpx.AsyncClient(base_url=self.router_url, timeout=self.settings.queue_timeout_s + 60)
+        request: asyncio.Task[tuple[float, float, str, int]] | None = None
         try:
             assert await self.replicas("decode") == 0 and not router.decode.workers, "decode must start at zero"
             sent = time.monotonic()
@@ -336,6 +337,10 @@ class ScaleFromZeroRig:
             worker_ready = time.monotonic() - sent
             first_token, answered, text, tokens = await request
         finally:
+            if request is not None and not request.done():
+                request.cancel()  # a phase timed out: do not leave the client waiting on the loop
+                with contextlib.suppress(asyncio.CancelledError, httpx.HTTPError):
+                    await request
             if owned:
                 await http.aclose()
         return ColdStart(queued, scaled, worker_ready, first_token, answered, text, tokens)
