@@ -338,8 +338,11 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
                 "the disaggregated pools created",
             )
             assert status(client, name)["autopilot"]["overrides"] == {"mode": "disaggregated"}
-            router = engine_args(client, f"{name}-router")
-            assert any(arg.startswith("--prefill-service=") for arg in router)
+            # The router is applied after the pools in the same reconcile: it learns the prefill Service.
+            await eventually(
+                lambda: any(arg.startswith("--prefill-service=") for arg in engine_args(client, f"{name}-router")),
+                "the router told about the prefill Service",
+            )
             # The new pools are not ready: the aggregated pool keeps serving.
             await asyncio.sleep(3)
             assert deployment(client, f"{name}-aggregated") is not None
@@ -356,8 +359,8 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
         observed = [names for names in seen if names]
         assert observed and all(names for names in seen), "there was a moment with no worker Deployment"
         assert observed[0] == {f"{name}-aggregated"} and observed[-1] == {f"{name}-prefill", f"{name}-decode"}
-        switched = events(client, name, "ModeSwitched")
-        assert switched and f"{name}-aggregated" in switched[0]["message"]
+        switched = await eventually(lambda: events(client, name, "ModeSwitched"), "a ModeSwitched Event")
+        assert f"{name}-aggregated" in switched[0]["message"]
         entry = status(client, name)["optimization"][-1]
         assert entry["kind"] == "mode" and entry["numbers"]["ttft_inflation"] == pytest.approx(5.0, rel=0.1)
         assert client.get(*IDEP, name, namespace=NAMESPACE)["spec"]["mode"] == "aggregated"

@@ -30,6 +30,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf  # imported here: `splitserve crd` and friends should not pay for it
 
+    from splitserve.controller.autopilot_loop import AutopilotSettings
+
+    try:  # the handlers read these at import; a typo must be one clear line, not a traceback
+        AutopilotSettings.from_environment()
+    except (ValueError, TypeError) as error:
+        print(f"splitserve operator: bad SPLITSERVE_AUTOPILOT_* setting: {error}", file=sys.stderr)
+        return 1
     import splitserve.controller.handlers  # noqa: F401  (registers the handlers)
     from splitserve.controller.metrics import OperatorMetrics
 

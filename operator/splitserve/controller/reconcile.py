@@ -127,11 +127,11 @@ class Reconciler:
             await self._write_status(body, None, Problem("InvalidSpec", str(error)))
             return
         written = spec
-        spec = await self._effective(body, spec)
+        spec, invalid = await self._effective(body, written)
 
         missing = await self._missing_prerequisites(spec, owner.namespace)
         if missing is not None:
-            await self._write_status(body, spec, missing, written)
+            await self._write_status(body, spec, missing, written, invalid)
             await self.post(body, "Warning", missing.reason, missing.message)
             self.metrics.reconciles.labels("degraded").inc()
             raise RetryLater(missing.message, delay=10)
@@ -139,7 +139,7 @@ class Reconciler:
         unfit = model_fit_problem(spec)
         if unfit is not None:
             # Pods would only crash with out-of-memory while loading: apply nothing, say why.
-            await self._write_status(body, spec, unfit, written)
+            await self._write_status(body, spec, unfit, written, invalid)
             await self.post(body, "Warning", unfit.reason, unfit.message)
             self.metrics.reconciles.labels("degraded").inc()
             return
@@ -159,20 +159,23 @@ class Reconciler:
         if prune:
             await self._prune(owner, {child_key(child) for child in desired} | kept)
         problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
-        await self._write_status(body, spec, problem, written)
+        await self._write_status(body, spec, problem, written, invalid)
         self.metrics.reconciles.labels("degraded" if failures else "ok").inc()
         if failures:
             await self.post(body, "Warning", "ApplyFailed", problem.message if problem else "")
             raise RetryLater(problem.message if problem else "", delay=30)
 
-    async def _effective(self, body: Mapping[str, Any], spec: InferenceDeploymentSpec) -> InferenceDeploymentSpec:
-        """The spec to serve: the written spec with dynamic optimization's overrides (read fresh) merged in."""
+    async def _effective(
+        self, body: Mapping[str, Any], spec: InferenceDeploymentSpec
+    ) -> tuple[InferenceDeploymentSpec, bool]:
+        """The spec to serve: the written spec with dynamic optimization's overrides (read fresh) merged in,
+        and whether those overrides had to be ignored because the result is invalid."""
         meta = body["metadata"]
         fresh = await self.kube.get(*IDEP, meta["namespace"], meta["name"])
         autopilot = ((fresh or body).get("status") or {}).get("autopilot") or {}
         overrides = autopilot.get("overrides") or {}
         if not overrides:
-            return spec
+            return spec, False
         try:
             effective = effective_spec(spec, overrides)
         except ValidationError as error:
@@ -181,9 +184,10 @@ class Reconciler:
             problems = validate_object({**body, "spec": declared(effective)})
             why = "; ".join(f"{p.path}: {p.message}" for p in problems)
         if why:
-            await self.post(body, "Warning", "OptimizationInvalid", f"serving the spec as written: {why}")
-            return spec
-        return effective
+            # _write_status drops them from status, so this is said once, not on every reconcile.
+            await self.post(body, "Warning", "OptimizationInvalid", f"serving the spec as written: {why}"[:1000])
+            return spec, True
+        return effective, False
 
     async def _switch_pools(self, body: Mapping[str, Any], owner: Owner, spec: InferenceDeploymentSpec) -> set[Key]:
         """Children of the previous mode to keep for now; removed once every new pool is ready.
@@ -314,6 +318,7 @@ class Reconciler:
         spec: InferenceDeploymentSpec | None,
         problem: Problem | None,
         written: InferenceDeploymentSpec | None = None,
+        invalid_overrides: bool = False,
     ) -> None:
         """Roll up status for the served (effective) `spec`; `written` is the CR's own spec."""
         meta = body["metadata"]
@@ -340,19 +345,23 @@ class Reconciler:
             now=utc_now(),
         )
         if written is not None and previous.autopilot is not None:
-            status = status.model_copy(
-                update={"autopilot": await self._drop_inactive(body, written, previous.autopilot)}
-            )
+            autopilot = await self._drop_inactive(body, written, previous.autopilot, invalid=invalid_overrides)
+            status = status.model_copy(update={"autopilot": autopilot})
         await self._patch_status_if_changed(namespace, name, previous, status)
 
     async def _drop_inactive(
-        self, body: Mapping[str, Any], written: InferenceDeploymentSpec, autopilot: AutopilotStatus
+        self, body: Mapping[str, Any], written: InferenceDeploymentSpec, autopilot: AutopilotStatus, *, invalid: bool
     ) -> AutopilotStatus:
-        """Overrides that no longer apply (dynamic turned off, a kind vetoed) leave status at once."""
-        kept = active_overrides(written, autopilot.overrides)
+        """Overrides that no longer apply (dynamic turned off, a kind vetoed, invalid) leave status at once."""
+        kept = {} if invalid else active_overrides(written, autopilot.overrides)
         if kept == autopilot.overrides:
             return autopilot
-        why = "dynamic optimization is off" if not written.optimization.dynamic else "vetoed or equal to the spec"
+        if invalid:
+            why = "the spec with them would be invalid"
+        elif not written.optimization.dynamic:
+            why = "dynamic optimization is off"
+        else:
+            why = "vetoed or equal to the spec"
         dropped = sorted(set(autopilot.overrides) - set(kept)) or sorted(autopilot.overrides)
         if autopilot.overrides:
             await self.post(body, "Normal", "OptimizationDropped", f"serving the spec as written for {dropped}: {why}")
