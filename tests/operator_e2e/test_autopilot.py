@@ -343,15 +343,19 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
                 lambda: any(arg.startswith("--prefill-service=") for arg in engine_args(client, f"{name}-router")),
                 "the router told about the prefill Service",
             )
-            # The new pools are not ready: the aggregated pool keeps serving.
+            # The new pools are not ready: the aggregated pool keeps serving, and status says so.
             await asyncio.sleep(3)
             assert deployment(client, f"{name}-aggregated") is not None
-            assert status(client, name)["mode"] == "disaggregated"
+            during = status(client, name)
+            assert during["mode"] == "aggregated"
+            progressing = next(c for c in during["conditions"] if c["type"] == "Progressing")
+            assert progressing["reason"] == "SwitchingMode"
             mark_ready(client, f"{name}-prefill")
             await asyncio.sleep(2)
             assert deployment(client, f"{name}-aggregated") is not None, "decode is not ready yet"
             mark_ready(client, f"{name}-decode")
             await eventually(lambda: deployment(client, f"{name}-aggregated") is None, "the old pool removed")
+            await eventually(lambda: status(client, name)["mode"] == "disaggregated", "status.mode switched")
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -178,6 +178,7 @@ async def optimize_once(
     if action is None:
         return Decision(None, note)
     reason = "OptimizationReverted" if action.reverts is not None else "Optimized"
+    reconciler.metrics.optimizations.labels(action.kind, "reverted" if action.reverts else "applied").inc()
     await reconciler.post(body, "Normal", reason, f"{action.what}: {action.message()}")
     with contextlib.suppress(RetryLater):  # the owner's own handler retries; this only renders the change now
         await reconciler.reconcile_by_name(namespace, name, prune=True)

@@ -30,3 +30,9 @@ class OperatorMetrics:
             ["namespace", "deployment"],
             registry=self.registry,
         )
+        self.optimizations = Counter(
+            "splitserve_operator_optimizations_total",
+            "Changes dynamic optimization applied or undid, by kind (mode, speculativeDecoding, ratio)",
+            ["kind", "outcome"],
+            registry=self.registry,
+        )

@@ -15,7 +15,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
-from splitserve.api.status import AutopilotStatus, InferenceDeploymentStatus
+from splitserve.api.status import AutopilotStatus, Condition, ConditionType, InferenceDeploymentStatus
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.naming import (
     ANNOTATION_DECLARED_REPLICAS,
@@ -37,7 +37,7 @@ from splitserve.controller.drift import contains
 from splitserve.controller.effective import active_overrides, declared, effective_spec, merge_patch_between
 from splitserve.controller.kube import KubeClient, KubeError
 from splitserve.controller.metrics import OperatorMetrics
-from splitserve.controller.rollup import PoolObservation, Problem, roll_up
+from splitserve.controller.rollup import PoolObservation, Problem, merge_condition, roll_up
 from splitserve.diagnosis.findings import DiagnosisInput
 from splitserve.diagnosis.model_facts import model_facts
 from splitserve.diagnosis.questions import hardware_fit
@@ -159,7 +159,9 @@ class Reconciler:
         if prune:
             await self._prune(owner, {child_key(child) for child in desired} | kept)
         problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
-        await self._write_status(body, spec, problem, written, invalid)
+        # While the old pools are kept they are what serves: status reports that mode until the switch ends.
+        previous_mode = Mode.AGGREGATED if spec.mode == Mode.DISAGGREGATED else Mode.DISAGGREGATED
+        await self._write_status(body, spec, problem, written, invalid, serving_mode=previous_mode if kept else None)
         self.metrics.reconciles.labels("degraded" if failures else "ok").inc()
         if failures:
             await self.post(body, "Warning", "ApplyFailed", problem.message if problem else "")
@@ -319,8 +321,13 @@ class Reconciler:
         problem: Problem | None,
         written: InferenceDeploymentSpec | None = None,
         invalid_overrides: bool = False,
+        *,
+        serving_mode: Mode | None = None,
     ) -> None:
-        """Roll up status for the served (effective) `spec`; `written` is the CR's own spec."""
+        """Roll up status for the served (effective) `spec`; `written` is the CR's own spec.
+
+        `serving_mode` is set during a mode switch: the previous mode's pools still serve.
+        """
         meta = body["metadata"]
         namespace, name = meta["namespace"], meta["name"]
         # Read the status fresh: the autoscaler and diagnosis timers write parts of it too.
@@ -332,7 +339,7 @@ class Reconciler:
             observations[component] = PoolObservation.from_deployment(
                 await self.kube.get("apps/v1", "Deployment", namespace, deployment_name)
             )
-        mode = spec.mode if spec is not None else _declared_mode(body)
+        mode = serving_mode or (spec.mode if spec is not None else _declared_mode(body))
         status = roll_up(
             mode=mode,
             generation=int(meta.get("generation", 0)),
@@ -344,6 +351,16 @@ class Reconciler:
             problem=problem,
             now=utc_now(),
         )
+        if serving_mode is not None and spec is not None:
+            switching = Condition(
+                type=ConditionType.PROGRESSING,
+                status="True",
+                reason="SwitchingMode",
+                message=f"serving {serving_mode} until every {spec.mode} pool has a ready replica",
+                last_transition_time=utc_now(),
+                observed_generation=int(meta.get("generation", 0)),
+            )
+            status = status.model_copy(update={"conditions": merge_condition(status.conditions, switching)})
         if written is not None and previous.autopilot is not None:
             autopilot = await self._drop_inactive(body, written, previous.autopilot, invalid=invalid_overrides)
             status = status.model_copy(update={"autopilot": autopilot})
