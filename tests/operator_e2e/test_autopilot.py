@@ -267,11 +267,13 @@ async def test_sustained_low_load_turns_speculative_decoding_on_and_dynamic_off_
         optimized = events(client, name, "Optimized")
         assert optimized and "speculative decoding on" in optimized[0]["message"]
 
-        # Dynamic off: the spec is served as written again, the override leaves status.
-        client.patch(*IDEP, name, {"spec": {"optimization": {"dynamic": False}}}, namespace=NAMESPACE)
+        # A veto added later drops the override at once: the spec is served as written again.
+        veto = {"spec": {"optimization": {"veto": ["speculativeDecoding"]}}}
+        client.patch(*IDEP, name, veto, namespace=NAMESPACE)
         await eventually(lambda: not speculative(client, pool), "speculative decoding back off")
         await eventually(lambda: status(client, name)["autopilot"]["overrides"] == {}, "overrides dropped")
-        assert events(client, name, "OptimizationDropped")
+        dropped = await eventually(lambda: events(client, name, "OptimizationDropped"), "OptimizationDropped")
+        assert "vetoed" in dropped[0]["message"]
 
 
 async def test_a_veto_keeps_the_setting_and_says_so(client: EmulatorClient, tmp_path: Path) -> None:
@@ -368,6 +370,33 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
         entry = status(client, name)["optimization"][-1]
         assert entry["kind"] == "mode" and entry["numbers"]["ttft_inflation"] == pytest.approx(5.0, rel=0.1)
         assert client.get(*IDEP, name, namespace=NAMESPACE)["spec"]["mode"] == "aggregated"
+        assert client.get_or_none("v1", "services", f"{name}-prefill", namespace=NAMESPACE) is not None
+
+        # Dynamic off: the spec (aggregated) is served as written again, make-before-break the other way.
+        seen.clear()
+        watcher = asyncio.create_task(watch())
+        try:
+            client.patch(*IDEP, name, {"spec": {"optimization": {"dynamic": False}}}, namespace=NAMESPACE)
+            await eventually(lambda: deployment(client, f"{name}-aggregated"), "the aggregated pool again")
+            await asyncio.sleep(2)
+            assert deployment(client, f"{name}-decode") is not None, "decode serves until aggregated is ready"
+            assert client.get_or_none("v1", "services", f"{name}-prefill", namespace=NAMESPACE) is not None
+            mark_ready(client, f"{name}-aggregated")
+            await eventually(
+                lambda: deployment(client, f"{name}-decode") is None and deployment(client, f"{name}-prefill") is None,
+                "the disaggregated pools removed",
+            )
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+        assert all(names for names in seen), "there was a moment with no worker Deployment"
+        await eventually(
+            lambda: client.get_or_none("v1", "services", f"{name}-prefill", namespace=NAMESPACE) is None,
+            "the prefill Service removed with its pool",
+        )
+        assert status(client, name)["autopilot"]["overrides"] == {}
+        await eventually(lambda: status(client, name)["mode"] == "aggregated", "status.mode back to aggregated")
 
 
 async def test_dynamic_off_changes_nothing(client: EmulatorClient, tmp_path: Path) -> None:
