@@ -15,6 +15,8 @@ from typing import Any
 import httpx
 import pytest
 
+from splitserve.router.app import Router
+from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubeAccess, KubernetesDiscovery
 from splitserve.sim import SimConfig, SimWorker
 from tests.emulator.server import running_emulator
@@ -73,6 +75,17 @@ async def _request(client: httpx.AsyncClient, index: int) -> str:
     return "ok"
 
 
+def served_by_outcome_and_mode(router: Router) -> dict[tuple[str, str], float]:
+    """splitserve_router_requests_total by (outcome, mode), non-zero samples only."""
+    return {
+        (sample.labels["outcome"], sample.labels["mode"]): sample.value
+        for family in router.metrics.registry.collect()
+        if family.name == "splitserve_router_requests"
+        for sample in family.samples
+        if sample.name == "splitserve_router_requests_total" and sample.value
+    }
+
+
 async def test_scale_down_under_load_fails_no_request() -> None:
     port = free_port()
     prefill_ips, decode_ips = ["127.0.0.11", "127.0.0.12"], ["127.0.0.21", "127.0.0.22"]
@@ -100,7 +113,12 @@ async def test_scale_down_under_load_fails_no_request() -> None:
         discovery = KubernetesDiscovery(
             KubeAccess(emulator.url, False, token="t"), NAMESPACE, {"prefill": "prefill", "decode": "decode"}, port
         )
-        cfg = router_config(prefill_service="prefill", decode_service="decode", queue_timeout=30.0)
+        # The discovery kind matters beyond the discovery object: with the default (static) and no
+        # prefill URLs the router believes it has no prefill pool and serves everything aggregated,
+        # and this test would pass without ever pulling KV from a draining prefill worker.
+        cfg = router_config(
+            discovery=DiscoveryKind.KUBERNETES, prefill_service="prefill", decode_service="decode", queue_timeout=30.0
+        )
         try:
             async with (
                 running_router(cfg, discovery=discovery) as (router, url),
@@ -122,6 +140,11 @@ async def test_scale_down_under_load_fails_no_request() -> None:
                 drained = await asyncio.gather(workers[0].drain(30), workers[2].drain(30))
                 results = await asyncio.gather(*load)
                 metrics = (await client.get("/metrics")).text
+                served = served_by_outcome_and_mode(router)
+                kv_pulled = sum(
+                    worker.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer")
+                    for worker in workers[2:]
+                )
         finally:
             await api.aclose()
             for worker in workers:
@@ -135,3 +158,5 @@ async def test_scale_down_under_load_fails_no_request() -> None:
         if line.startswith("splitserve_router_fallbacks_total{") and not line.endswith(" 0.0")
     ]
     assert fallbacks == [], f"no request lost its KV or fell back: {fallbacks}"
+    assert served == {("success", "disaggregated"): 200.0}, f"every request went through prefill: {served}"
+    assert kv_pulled > 0, "the decode workers pulled prefilled KV from the prefill workers"
