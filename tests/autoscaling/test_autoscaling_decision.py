@@ -177,6 +177,46 @@ def test_scale_from_zero_on_router_queue() -> None:
     assert "scale from zero" in decision.reasons["decode"]
 
 
+def test_prefill_at_zero_comes_back_when_the_router_serves_without_it() -> None:
+    # Prefill at 0, decode serving: the router answers aggregated at once, so the prefill queue is
+    # empty and only the prefill_unavailable fallbacks show the demand.
+    spec = make_spec(prefill=(0, 4), decode=(0, 4), scaleDownStabilizationSeconds=300)
+    fell_back = PoolSignals(router_queue=0, prefill_fallbacks=3)
+    up = run(spec, {"prefill": 0, "decode": 1}, prefill=fell_back)
+    assert up.desired["prefill"] == 1
+    assert "prefill_fallbacks=3 (served without prefill: no prefill worker → 1)" in up.reasons["prefill"]
+    assert "0→1" in up.reasons["prefill"]
+    # No fallbacks (or no router series at all): nothing asks for prefill, it stays at zero.
+    for quiet in (PoolSignals(router_queue=0, prefill_fallbacks=0), PoolSignals(router_queue=0)):
+        assert run(spec, {"prefill": 0, "decode": 1}, prefill=quiet).desired["prefill"] == 0
+    # The fallback counter alone is data enough at zero (the router's queue series may be absent).
+    alone = run(spec, {"prefill": 0, "decode": 1}, prefill=PoolSignals(prefill_fallbacks=1))
+    assert alone.desired["prefill"] == 1 and "hold" not in alone.reasons["prefill"]
+    # While the new replica starts (no worker series yet) the pool holds; once it serves, the
+    # fallbacks still in the counter's window do not size it, and the down window keeps it.
+    starting = run(spec, {"prefill": 1, "decode": 1}, prefill=fell_back, state=up.state, now=1005)
+    assert starting.desired["prefill"] == 1 and "hold" in starting.reasons["prefill"]
+    serving = replace(IDLE_PREFILL, prefill_fallbacks=40)
+    later = run(spec, {"prefill": 1, "decode": 1}, prefill=serving, state=starting.state, now=1015)
+    assert later.desired["prefill"] == 1 and "prefill_fallbacks" not in later.reasons["prefill"]
+    assert "scale-down window keeps 1" in later.reasons["prefill"]
+
+
+def test_prefill_fallbacks_beat_the_scale_up_window_from_zero() -> None:
+    spec = make_spec(prefill=(0, 4), decode=(0, 4), scaleUpStabilizationSeconds=60)
+    history = AutoscalerState((("prefill", (Recommendation(990.0, 0),)),))
+    decision = run(spec, {"prefill": 0, "decode": 1}, prefill=PoolSignals(prefill_fallbacks=2), state=history)
+    assert decision.desired["prefill"] == 1
+    assert "scale from zero: backlog 2" in decision.reasons["prefill"]
+
+
+def test_prefill_fallbacks_never_size_a_running_pool() -> None:
+    # Requests fall back while new prefill replicas start: sizing on them would overshoot.
+    spec = make_spec(prefill=(1, 10), decode=(1, 10))
+    decision = run(spec, {"prefill": 2, "decode": 1}, prefill=replace(IDLE_PREFILL, running=8, prefill_fallbacks=500))
+    assert decision.desired["prefill"] == 2  # prompts 8 at 4 per replica
+
+
 def test_scale_to_zero_waits_for_the_down_window() -> None:
     spec = make_spec(prefill=(0, 4), decode=(0, 4), scaleDownStabilizationSeconds=300)
     state = AutoscalerState()
@@ -298,6 +338,7 @@ def pool_signals(draw: st.DrawFn) -> PoolSignals | None:
         ttft_p90=draw(latency),
         itl_p90=draw(latency),
         sample_age_seconds=draw(st.one_of(st.none(), st.floats(0, 400))),
+        prefill_fallbacks=draw(maybe),
     )
 
 
@@ -313,6 +354,7 @@ def present_signals(draw: st.DrawFn) -> PoolSignals:
         ttft_p90=draw(st.floats(0.001, 20)),
         itl_p90=draw(st.floats(0.001, 20)),
         sample_age_seconds=1.0,
+        prefill_fallbacks=draw(number),
     )
 
 
@@ -331,6 +373,7 @@ def more(signals: PoolSignals, extra: PoolSignals) -> PoolSignals:
         ttft_p90=add(signals.ttft_p90, extra.ttft_p90),
         itl_p90=add(signals.itl_p90, extra.itl_p90),
         sample_age_seconds=signals.sample_age_seconds,
+        prefill_fallbacks=add(signals.prefill_fallbacks, extra.prefill_fallbacks),
     )
 
 

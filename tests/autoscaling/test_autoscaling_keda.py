@@ -158,9 +158,16 @@ def test_scaled_objects_per_pool_validate_and_carry_targets() -> None:
     assert decode_triggers["itl-p90"]["metricType"] == "Value"
     assert 'role="decode"' in decode_triggers["running"]["metadata"]["query"]
     prefill_triggers = by_name(prefill["spec"]["triggers"])
-    assert set(prefill_triggers) == {"prompts", "ttft-p90"}
+    assert set(prefill_triggers) == {"prompts", "prefill-fallbacks", "ttft-p90"}
     # Scale from zero: the prompts trigger activates on anything above 0.
     assert prefill_triggers["prompts"]["metadata"]["activationThreshold"] == "0"
+    # ... and so does the router serving prompts without prefill (no queue while prefill is at 0),
+    # as a 0..1 Value against 1: it can activate the pool but never asks for more than the current size.
+    fallbacks = prefill_triggers["prefill-fallbacks"]
+    assert (fallbacks["metricType"], fallbacks["metadata"]["threshold"]) == ("Value", "1")
+    assert fallbacks["metadata"]["activationThreshold"] == "0"
+    assert fallbacks["metadata"]["query"].startswith("clamp_max(")
+    assert 'reason="prefill_unavailable"' in fallbacks["metadata"]["query"]
     assert 'pool="prefill"' in prefill_triggers["prompts"]["metadata"]["query"]
     assert (
         'vllm:num_requests_running{namespace="serving",deployment="llama",role="prefill"}'

@@ -206,4 +206,37 @@ async def test_keda_trigger_queries_run_on_prometheus(
                 t["name"]: await client.query_scalar(t["metadata"]["query"]) for t in obj["spec"]["triggers"]
             }
     assert values["decode"] == {"backlog": 8, "running": 8, "kv-cache-usage": 0.1, "itl-p90": 0}
-    assert values["prefill"] == {"prompts": 2, "ttft-p90": 0}
+    assert values["prefill"] == {"prompts": 2, "prefill-fallbacks": 0, "ttft-p90": 0}
+
+
+async def test_first_prefill_fallback_of_a_router_is_seen(
+    prometheus: PrometheusServer, exporters: list[StaticExporter]
+) -> None:
+    # A router that has never fallen back has no prefill_unavailable series; its first fallback
+    # creates it at 1. rate()/increase() ignore that first sample; prefillFallbacks must not.
+    router = await started(exporters, router_text(prefill_queue=0, decode_queue=0))
+    prometheus.targets = [ScrapeTarget(router.address, {"namespace": NS, "deployment": NAME})]
+    await prometheus.start()
+    await prometheus.wait_for("count(up == 1)", lambda v: v == 1)
+    spec = make_spec(backend="keda")
+    async with PrometheusClient(prometheus.url) as client:
+        assert (await read_signals(client, spec, NS, NAME))["prefill"].prefill_fallbacks is None
+        counter = (
+            "# TYPE splitserve_router_fallbacks_total counter\n"
+            'splitserve_router_fallbacks_total{reason="prefill_unavailable"} %d\n'
+            'splitserve_router_fallbacks_total{reason="decode_kv_error"} 7\n'
+        )
+        router.body = router_text(0, 0) + counter % 1
+        await prometheus.wait_for("sum(splitserve_router_fallbacks_total)", lambda v: v == 8)
+        first = await read_signals(client, spec, NS, NAME)
+        assert first["prefill"].prefill_fallbacks == 1
+        assert first["decode"].prefill_fallbacks is None  # not read for decode
+        rate = 'sum(rate(splitserve_router_fallbacks_total{reason="prefill_unavailable"}[1m]))'
+        assert not await client.query_scalar(rate), "rate() misses the first fallback (0, or no result yet)"
+        router.body = router_text(0, 0) + counter % 3
+        await prometheus.wait_for(
+            'sum(splitserve_router_fallbacks_total{reason="prefill_unavailable"})', lambda v: v == 3
+        )
+        assert (await read_signals(client, spec, NS, NAME))["prefill"].prefill_fallbacks == 3
+        triggers = {t["name"]: t for t in autoscaler_objects(spec, NS, NAME)[0]["spec"]["triggers"]}
+        assert await client.query_scalar(triggers["prefill-fallbacks"]["metadata"]["query"]) == 1

@@ -34,6 +34,21 @@ def test_default_queries_select_the_deployment_and_role() -> None:
     assert all("$" not in q for q in [*queries.values(), *aggregated.values()])
 
 
+def test_prefill_fallbacks_are_read_for_the_prefill_pool_only() -> None:
+    prefill = queries_for_pool(AutoscalingSpec(), "prefill", "serving", "llama")["prefillFallbacks"]
+    selector = 'splitserve_router_fallbacks_total{namespace="serving",deployment="llama",reason="prefill_unavailable"}'
+    # Now minus a minute ago, a series that did not exist then counting as 0 (rate() would miss it).
+    assert prefill == f"sum(clamp_min({selector} - ({selector} offset 1m or {selector} * 0), 0))"
+    for pool in ("decode", "aggregated"):
+        assert "prefillFallbacks" not in queries_for_pool(AutoscalingSpec(), pool, "serving", "llama")
+    custom = AutoscalingSpec(queries={"prefillFallbacks": 'sum(rate(my_fallbacks{deployment="$deployment"}[5m]))'})
+    assert query_for(custom, "prefillFallbacks", "prefill", "ns", "x") == 'sum(rate(my_fallbacks{deployment="x"}[5m]))'
+    assert check_query_overrides(custom) == []
+    assert check_query_overrides(AutoscalingSpec(queries={"prefill.prefillFallbacks": "sum(x)"})) == []
+    problems = check_query_overrides(AutoscalingSpec(queries={"decode.prefillFallbacks": "sum(x)"}))
+    assert len(problems) == 1 and "prefill pool only" in problems[0], problems
+
+
 def test_pool_specific_override_wins_over_plain_one() -> None:
     autoscaling = AutoscalingSpec(queries={"running": "sum(a{$workers})", "decode.running": 'sum(b{role="$role"})'})
     assert query_for(autoscaling, "running", "decode", "ns", "x") == 'sum(b{role="decode"})'
@@ -64,6 +79,7 @@ def test_good_overrides_have_no_problems() -> None:
 
 def test_signals_as_dict_skips_missing() -> None:
     assert PoolSignals(waiting=2, itl_p90=0.04).as_dict("decode.") == {"decode.waiting": 2.0, "decode.itlP90": 0.04}
+    assert PoolSignals(prefill_fallbacks=3).as_dict("prefill.") == {"prefill.prefillFallbacks": 3.0}
 
 
 class FakeClient(PrometheusClient):

@@ -151,7 +151,7 @@ async def test_scale_down_under_load_fails_no_request() -> None:
                 await worker.stop()
     failures = [result for result in results if result != "ok"]
     assert failures == [], failures[:5]
-    assert drained == [True, True], "both workers drained within their grace period"
+    assert list(drained) == [True, True], "both workers drained within their grace period"
     fallbacks = [
         line
         for line in metrics.splitlines()

@@ -44,7 +44,15 @@ and targets plus the prefill TTFT SLO). How one pool's size is chosen (in this o
    lowered: that could drop capacity the load needs) until min ≤ prefill/decode ≤ max.
 5. **Step limit**: at most `maxStep` replicas added or removed per decision.
 6. **Scale from zero**: a pool at 0 with a backlog (router queue or waiting; prefill: also
-   running) > 0 gets at least 1.
+   running, and `prefillFallbacks`) > 0 gets at least 1.
+
+A prefill pool at zero has no queue to show: the router serves every request aggregated on decode
+at once (fallback `prefill_unavailable`) instead of holding it for a prefill worker. Its demand is
+then `prefillFallbacks` (requests served without prefill in the last minute): while the pool is at
+0 any such request proposes 1 replica (it goes into the history, so the scale-down window keeps the
+new replica while it starts) and counts as backlog for rule 6. Once the pool has a replica the
+signal proposes nothing: fallbacks go on until the new worker is ready, and sizing on them would
+overshoot; the pool's own queue takes over.
 7. Final clamp into [minReplicas, maxReplicas] (bounds always hold, even over the step limit).
 """
 
@@ -313,6 +321,22 @@ def _prompt_backlog(signals: PoolSignals) -> float:
     return _backlog(signals) + (signals.running or 0.0)
 
 
+def _prefill_backlog(signals: PoolSignals, current: int) -> float:
+    """Rule 6's backlog for prefill: at zero, requests served without prefill are its demand too."""
+    fallbacks = (signals.prefill_fallbacks or 0.0) if current == 0 else 0.0
+    return _prompt_backlog(signals) + max(0.0, fallbacks)
+
+
+def _fallback_demand(signals: PoolSignals, current: int) -> _Proposal | None:
+    """A prefill pool at zero whose requests went aggregated for lack of it: one replica."""
+    fallbacks = signals.prefill_fallbacks
+    if current > 0 or fallbacks is None or fallbacks <= 0:
+        return None
+    return _Proposal(
+        1, f"prefill_fallbacks={_fmt(fallbacks)} (served without prefill: no prefill worker → 1)", math.inf
+    )
+
+
 def stale_after_seconds(spec: InferenceDeploymentSpec) -> float:
     """Worker samples older than this are stale: three scrape intervals, at least 30 s."""
     return max(30.0, 3.0 * spec.monitoring.interval_seconds)
@@ -323,9 +347,10 @@ def _missing(pool: Pool, current: int, signals: PoolSignals | None, stale_after:
     if signals is None:
         return "no metrics"
     if current == 0:
-        # No workers, so no worker series: the router's queue (or a lingering waiting) is all there is.
-        if signals.router_queue is None and signals.waiting is None:
-            return "no data for routerQueue or waiting"
+        # No workers, so no worker series: the router's queue (or a lingering waiting) is all there is,
+        # and for prefill the requests the router served without it.
+        if signals.router_queue is None and signals.waiting is None and signals.prefill_fallbacks is None:
+            return "no data for routerQueue or waiting" + (" or prefillFallbacks" if pool == "prefill" else "")
         return None
     required = (
         {"waiting": signals.waiting} if pool == "prefill" else {"waiting": signals.waiting, "running": signals.running}
@@ -352,6 +377,7 @@ def proposals(
         out.append(
             _average_value("prompts", _prompt_backlog(signals), autoscaling.prefill.waiting_per_replica, current, tol)
         )
+        out.append(_fallback_demand(signals, current))
     else:
         targets = autoscaling.decode
         out.append(_average_value("running", signals.running or 0.0, targets.running_per_replica, current, tol))
@@ -443,7 +469,7 @@ def decide(
             work.texts.append(f"{why_not} → hold")
             new_history[pool] = tuple(r for r in state.entries(pool) if r.time >= now - keep)
             continue
-        work.backlog = _prompt_backlog(pool_signals) if pool == "prefill" else _backlog(pool_signals)
+        work.backlog = _prefill_backlog(pool_signals, now_replicas) if pool == "prefill" else _backlog(pool_signals)
         pool_ready = None if ready is None or pool not in ready else max(0, ready[pool])
         props = proposals(pool, spec, now_replicas, pool_signals, pool_ready)
         work.texts.extend(p.text for p in props)

@@ -23,7 +23,10 @@ tolerance (HPA's is the cluster-wide `--horizontal-pod-autoscaler-tolerance`, 0.
 holding on stale data (HPA/KEDA treat a failed metric as "no recommendation", KEDA's `fallback`
 is not set); the 2x cap on latency-driven growth. The `hpa` backend cannot scale to zero
 (minReplicas ≥ 1 without the HPAScaleToZero feature gate); KEDA can (minReplicaCount 0, with an
-activation threshold of 0 on the backlog trigger).
+activation threshold of 0 on the backlog trigger). A prefill pool at zero has no backlog (the
+router serves its prompts aggregated at once), so its ScaledObject also has a `prefill-fallbacks`
+trigger (the `prefillFallbacks` signal clamped to 0..1, Value 1, activation 0): it activates the
+pool from zero and otherwise only proposes the current size.
 
 prometheus-adapter rules the `hpa` backend expects (`externalRules` in the adapter's config):
 
@@ -160,6 +163,11 @@ def keda_triggers(spec: InferenceDeploymentSpec, namespace: str, name: str, pool
         prompts = f"{backlog} + ({_non_nan(query('running'))})"
         target = autoscaling.prefill.waiting_per_replica
         triggers.append(trigger("prompts", prompts, "AverageValue", target, activationThreshold="0"))
+        # At zero the router serves prompts aggregated instead of queueing them for prefill, so its
+        # fallbacks are the only demand: 0 or 1 as a Value against 1 activates the pool from zero and
+        # otherwise proposes the current size (never more), leaving the sizing to the other triggers.
+        fallbacks = f"clamp_max({_non_nan(query('prefillFallbacks'))}, 1)"
+        triggers.append(trigger("prefill-fallbacks", fallbacks, "Value", 1, activationThreshold="0"))
     else:
         decode = autoscaling.decode
         triggers.append(

@@ -26,7 +26,19 @@ kvCacheUsage        avg(vllm:kv_cache_usage_perc{$workers})
 ttftP90             histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{$workers}[1m])))
 itlP90              histogram_quantile(0.9, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{$workers}[1m])))
 sampleAgeSeconds    time() - max(timestamp(vllm:num_requests_waiting{$workers}))
+prefillFallbacks    (prefill pool only) sum(clamp_min($F - ($F offset 1m or $F * 0), 0)) with
+                    $F = splitserve_router_fallbacks_total{namespace="$namespace",deployment="$deployment",
+                    reason="prefill_unavailable"}: requests the router served without prefill in the last
+                    minute because no prefill worker was available
 ==================  ==============================================================================================
+
+`prefillFallbacks` is the prefill pool's demand while it has no worker: the router then serves every
+request aggregated on decode at once instead of queueing it for prefill, so the prefill router
+queue stays at 0 and only this counter says prompts wanted a prefill worker. It is computed as
+"value now minus value a minute ago, a series that did not exist then counting as 0" rather than
+rate()/increase(): those ignore a counter's first sample, and a router that has never fallen back
+creates the series at 1 with its first fallback, which is exactly the request that should bring
+the prefill pool back from zero.
 
 Override any of them with `spec.autoscaling.queries`: the key is either a signal name (applies to
 every pool) or `<pool>.<signal>` (one pool only, wins over the plain name), e.g.
@@ -56,7 +68,16 @@ SIGNAL_NAMES = (
     "ttftP90",
     "itlP90",
     "sampleAgeSeconds",
+    "prefillFallbacks",
 )
+# Signals that only mean something for one pool (and are only queried for it).
+POOL_ONLY_SIGNALS: dict[str, Pool] = {"prefillFallbacks": "prefill"}
+
+# Requests served without prefill for lack of a prefill worker, by router pod, now and a minute ago.
+_PREFILL_FALLBACKS = (
+    'splitserve_router_fallbacks_total{namespace="$namespace",deployment="$deployment",reason="prefill_unavailable"}'
+)
+FALLBACKS_WINDOW = "1m"
 
 DEFAULT_QUERIES: dict[str, str] = {
     "routerQueue": "sum(splitserve_router_queue_depth{$router})",
@@ -67,6 +88,11 @@ DEFAULT_QUERIES: dict[str, str] = {
     "ttftP90": "histogram_quantile(0.9, sum by (le) (rate(vllm:time_to_first_token_seconds_bucket{$workers}[1m])))",
     "itlP90": "histogram_quantile(0.9, sum by (le) (rate(vllm:inter_token_latency_seconds_bucket{$workers}[1m])))",
     "sampleAgeSeconds": "time() - max(timestamp(vllm:num_requests_waiting{$workers}))",
+    # clamp_min per router pod: a router restart (counter reset) counts as no fallbacks, not as minus many.
+    "prefillFallbacks": (
+        f"sum(clamp_min({_PREFILL_FALLBACKS} - ({_PREFILL_FALLBACKS} offset {FALLBACKS_WINDOW} "
+        f"or {_PREFILL_FALLBACKS} * 0), 0))"
+    ),
 }
 
 
@@ -82,6 +108,7 @@ class PoolSignals:
     ttft_p90: float | None = None
     itl_p90: float | None = None
     sample_age_seconds: float | None = None
+    prefill_fallbacks: float | None = None  # prefill pool only
 
     def as_dict(self, prefix: str = "") -> dict[str, float]:
         """The present numbers keyed by signal name, e.g. for status.autoscaling.signals."""
@@ -91,6 +118,16 @@ class PoolSignals:
             if value is not None:
                 out[prefix + signal] = float(value)
         return out
+
+
+_FIELD_BY_SIGNAL: dict[str, str] = {
+    signal: field.name for signal, field in zip(SIGNAL_NAMES, fields(PoolSignals), strict=True)
+}
+
+
+def signals_for(pool: Pool) -> tuple[str, ...]:
+    """The signals read for one pool: every general one, plus those that belong to this pool."""
+    return tuple(s for s in SIGNAL_NAMES if POOL_ONLY_SIGNALS.get(s, pool) == pool)
 
 
 def autoscaled_pools(spec: InferenceDeploymentSpec) -> tuple[Pool, ...]:
@@ -120,8 +157,15 @@ def check_query_overrides(autoscaling: AutoscalingSpec) -> list[str]:
                 "optionally prefixed by 'prefill.', 'decode.' or 'aggregated.'"
             )
             continue
+        only = POOL_ONLY_SIGNALS.get(signal)
+        if only is not None and pool and pool != only:
+            problems.append(
+                f"autoscaling.queries: {key!r}: {signal} is read for the {only} pool only; "
+                f"use {signal!r} or '{only}.{signal}'"
+            )
+            continue
         try:
-            _substitute(promql, key, "ns", "name", "decode")
+            _substitute(promql, key, "ns", "name", only or "decode")
         except QueryTemplateError as exc:
             problems.append(str(exc))
     return problems
@@ -154,14 +198,14 @@ def query_for(autoscaling: AutoscalingSpec, signal: str, pool: Pool, namespace: 
 
 
 def queries_for_pool(autoscaling: AutoscalingSpec, pool: Pool, namespace: str, name: str) -> dict[str, str]:
-    return {signal: query_for(autoscaling, signal, pool, namespace, name) for signal in SIGNAL_NAMES}
+    return {signal: query_for(autoscaling, signal, pool, namespace, name) for signal in signals_for(pool)}
 
 
 async def read_pool(client: PrometheusClient, queries: dict[str, str]) -> PoolSignals:
-    """Run one pool's queries concurrently. PrometheusUnavailable from any of them propagates."""
-    values = await asyncio.gather(*(client.query_scalar(queries[signal]) for signal in SIGNAL_NAMES))
-    by_field = {field.name: value for field, value in zip(fields(PoolSignals), values, strict=True)}
-    return PoolSignals(**by_field)
+    """Run one pool's queries (signal name → PromQL) concurrently. PrometheusUnavailable propagates."""
+    signals = list(queries)
+    values = await asyncio.gather(*(client.query_scalar(queries[signal]) for signal in signals))
+    return PoolSignals(**{_FIELD_BY_SIGNAL[signal]: value for signal, value in zip(signals, values, strict=True)})
 
 
 async def read_signals(
