@@ -134,14 +134,14 @@ def _cel_problems(obj: dict[str, Any], old: dict[str, Any] | None, label: str) -
     return problems
 
 
-def _label(index: int, obj: Any) -> str:
+def label_for(index: int, obj: Any) -> str:
     name = obj.get("metadata", {}).get("name") if isinstance(obj, dict) else None
     return f"document {index + 1}" + (f" ({name})" if isinstance(name, str) else "")
 
 
 def validate_object(obj: Any, *, old: Mapping[str, Any] | None = None, index: int = 0) -> list[Problem]:
     """Every problem with one InferenceDeployment, as a cluster would report them."""
-    label = _label(index, obj)
+    label = label_for(index, obj)
     if not isinstance(obj, dict):
         return [Problem(label, "<root>", "expected a YAML mapping (an object)")]
     if obj.get("kind") != KIND or obj.get("apiVersion") != API_VERSION_FULL:

@@ -1,4 +1,8 @@
-"""`splitserve validate -f FILE`: check InferenceDeployments offline, print every problem."""
+"""`splitserve validate -f FILE`: check InferenceDeployments offline, print every problem.
+
+Errors (what a cluster would reject) exit 1; warnings (accepted, but likely not what was meant,
+see advice.py) are printed as `WARNING` lines and do not change the exit code.
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import argparse
 import sys
 
 from splitserve.cliutil import UserError, read_input
+from splitserve.validation.advice import text_advice
 from splitserve.validation.checker import validate_text
 
 
@@ -27,6 +32,8 @@ def run(args: argparse.Namespace) -> int:
         problems = validate_text(text)
         for problem in problems:
             print(f"{filename}: {problem}", file=sys.stderr)
+        for warning in text_advice(text):
+            print(f"{filename}: WARNING: {warning}", file=sys.stderr)
         if problems:
             failed = True
         else:
