@@ -22,7 +22,6 @@ from pydantic import ValidationError
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import AutopilotStatus, InferenceDeploymentStatus, OptimizationEvent
-from splitserve.autoscaling.prometheus import PrometheusClient
 from splitserve.controller.effective import active_overrides, declared, effective_spec, merge_patch, minimal
 from splitserve.controller.reconcile import IDEP, Reconciler, RetryLater
 from splitserve.diagnosis.autopilot import (
@@ -39,7 +38,7 @@ from splitserve.diagnosis.autopilot import (
 from splitserve.diagnosis.findings import DiagnosisInput
 from splitserve.diagnosis.model_facts import model_facts
 from splitserve.diagnosis.service import gather_telemetry, gpu_choices
-from splitserve.diagnosis.telemetry import default_scope
+from splitserve.diagnosis.telemetry import QuerySource, default_scope
 from splitserve.validation import validate_object
 
 HISTORY_LIMIT = 20  # status.optimization's maxItems
@@ -101,7 +100,7 @@ def record(events: list[OptimizationEvent], action: Action, now: float) -> list[
 
 
 async def sample_now(
-    spec: InferenceDeploymentSpec, namespace: str, name: str, prometheus: PrometheusClient, window: str, now: float
+    spec: InferenceDeploymentSpec, namespace: str, name: str, prometheus: QuerySource, window: str, now: float
 ) -> Sample:
     """One Sample from Prometheus; all None when it cannot be read (which blocks any change)."""
     url = spec.autoscaling.prometheus_url or "(no prometheusUrl)"
@@ -123,7 +122,7 @@ async def optimize_once(
     reconciler: Reconciler,
     namespace: str,
     name: str,
-    prometheus: PrometheusClient,
+    prometheus: QuerySource,
     samples: deque[Sample],
     now: float,
     settings: AutopilotSettings,

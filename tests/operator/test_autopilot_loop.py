@@ -1,0 +1,159 @@
+"""`optimize_once` in virtual time with the production policy (minutes): an in-process API emulator,
+the real Reconciler, and a scripted telemetry source instead of Prometheus. One call per simulated minute."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import pytest
+import yaml
+
+from splitserve.api.crd import render_crd_yaml
+from splitserve.controller.autopilot_loop import AutopilotSettings, new_samples, optimize_once
+from splitserve.controller.kube import ClusterAccess, KubeClient
+from splitserve.controller.reconcile import IDEP, Reconciler
+from tests.emulator.client import AsyncEmulatorClient
+from tests.emulator.server import running_emulator
+
+NAMESPACE = "serving"
+PLURAL = ("splitserve.io/v1alpha1", "inferencedeployments")
+MINUTE = 60.0
+
+
+@dataclass
+class ScriptedTelemetry:
+    """Answers the diagnosis queries from a few numbers (None: no data)."""
+
+    batch: float | None = 2.0
+    itl: float | None = 0.05
+    ttft: float | None = 0.2
+    prefill: float | None = 0.2
+
+    async def query_scalar(self, promql: str) -> float | None:
+        if promql == "vector(1)":
+            return 1.0
+        for needle, value in (
+            ("num_requests_running", self.batch),
+            ("inter_token_latency", self.itl),
+            ("time_to_first_token", self.ttft),
+            ("request_prefill_time", self.prefill),
+        ):
+            if needle in promql:
+                return value
+        return None
+
+    async def query_vector(self, promql: str) -> Mapping[frozenset[tuple[str, str]], float]:
+        return {}
+
+
+@dataclass
+class World:
+    api: AsyncEmulatorClient
+    reconciler: Reconciler
+    events: list[tuple[str, str, str]]
+
+
+@pytest.fixture
+async def world() -> AsyncIterator[World]:
+    async with running_emulator() as emulator, AsyncEmulatorClient(emulator.url) as api:
+        await api.create("apiextensions.k8s.io/v1", "customresourcedefinitions", yaml.safe_load(render_crd_yaml()))
+        await api.create("v1", "namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
+        events: list[tuple[str, str, str]] = []
+        kube = KubeClient(ClusterAccess(emulator.url, {}, False))
+        reconciler = Reconciler(kube, lambda _body, kind, reason, message: events.append((kind, reason, message)))
+        try:
+            yield World(api, reconciler, events)
+        finally:
+            await kube.aclose()
+
+
+async def create(world: World, name: str, **spec: Any) -> None:
+    body = {"model": {"name": "m", "source": {"uri": "s3://m"}}, **spec}
+    obj = {"apiVersion": IDEP[0], "kind": IDEP[1], "metadata": {"name": name, "namespace": NAMESPACE}, "spec": body}
+    await world.api.create(*PLURAL, obj, namespace=NAMESPACE)
+    await world.reconciler.reconcile_by_name(NAMESPACE, name, prune=True)
+
+
+async def args_of(world: World, deployment: str) -> list[str]:
+    found = await world.api.get("apps/v1", "deployments", deployment, namespace=NAMESPACE)
+    return list(found["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+async def status(world: World, name: str) -> dict[str, Any]:
+    found: dict[str, Any] = (await world.api.get(*PLURAL, name, namespace=NAMESPACE)).get("status") or {}
+    return found
+
+
+async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoes_it(world: World) -> None:
+    await create(world, "vt", mode="aggregated", optimization={"dynamic": True})
+    settings = AutopilotSettings()  # production defaults: 10 min window, 30 min between changes, judged at 10 min
+    samples = new_samples(settings)
+    telemetry = ScriptedTelemetry(batch=2.0, itl=0.05)
+    applied_at = None
+    for minute in range(30):
+        decision = await optimize_once(world.reconciler, NAMESPACE, "vt", telemetry, samples, minute * MINUTE, settings)
+        if decision is not None and decision.action is not None:
+            applied_at = minute
+            break
+    # The first sample is at minute 0; 10 minutes of it are needed, all supporting the change.
+    assert applied_at == 10
+    assert "--speculative-config" in await args_of(world, "vt-aggregated")
+    assert (await status(world, "vt"))["autopilot"]["overrides"] == {
+        "engine": {"speculativeDecoding": {"method": "ngram"}}
+    }
+
+    # ITL doubles after the change: judged once 10 minutes have passed, then undone.
+    telemetry.itl = 0.1
+    undone_at = None
+    for minute in range(applied_at + 1, applied_at + 30):
+        decision = await optimize_once(world.reconciler, NAMESPACE, "vt", telemetry, samples, minute * MINUTE, settings)
+        if decision is not None and decision.action is not None:
+            undone_at = minute
+            assert decision.action.reverts is not None
+            break
+    assert undone_at == applied_at + 10
+    assert "--speculative-config" not in await args_of(world, "vt-aggregated")
+    observed = await status(world, "vt")
+    assert observed["autopilot"]["overrides"] == {}
+    assert [entry["undone"] for entry in observed["optimization"]] == [True, False]
+    reasons = [reason for _, reason, _ in world.events]
+    assert reasons.count("Optimized") == 1 and reasons.count("OptimizationReverted") == 1
+
+    # Low load continues, but the undone change is not retried (4 h), nor anything else proposed.
+    for minute in range(undone_at + 1, undone_at + 60):
+        decision = await optimize_once(world.reconciler, NAMESPACE, "vt", telemetry, samples, minute * MINUTE, settings)
+        assert decision is not None and decision.action is None
+    assert "undone recently" in (await status(world, "vt"))["autopilot"]["note"]
+
+
+async def test_a_change_the_spec_cannot_take_is_not_applied(world: World) -> None:
+    # Aggregated without a KV connector: switching to disaggregated would be invalid.
+    await create(world, "noconn", mode="aggregated", kvTransfer={"connector": "None"}, optimization={"dynamic": True})
+    settings = AutopilotSettings()
+    samples = new_samples(settings)
+    interfering = ScriptedTelemetry(batch=40.0, ttft=2.0, prefill=0.2)  # inflation 10 at batch 40
+    for minute in range(15):
+        decision = await optimize_once(
+            world.reconciler, NAMESPACE, "noconn", interfering, samples, minute * MINUTE, settings
+        )
+        assert decision is not None and decision.action is None
+    autopilot = (await status(world, "noconn"))["autopilot"]
+    assert autopilot["note"].startswith("not applied (switch to disaggregated)")
+    assert "connector" in autopilot["note"]
+    assert autopilot["overrides"] == {}
+    assert await world.api.get("apps/v1", "deployments", "noconn-aggregated", namespace=NAMESPACE)
+
+
+async def test_no_telemetry_means_no_change(world: World) -> None:
+    await create(world, "blind", mode="aggregated", optimization={"dynamic": True})
+    settings = AutopilotSettings()
+    samples = new_samples(settings)
+    blind = ScriptedTelemetry(batch=None, itl=None, ttft=None, prefill=None)
+    for minute in range(20):
+        decision = await optimize_once(world.reconciler, NAMESPACE, "blind", blind, samples, minute * MINUTE, settings)
+        assert decision is not None and decision.action is None
+    observed = await status(world, "blind")
+    assert observed.get("optimization", []) == [] and observed["autopilot"]["overrides"] == {}
+    assert "speculative" not in " ".join(await args_of(world, "blind-aggregated"))
