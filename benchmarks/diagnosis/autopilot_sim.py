@@ -676,6 +676,52 @@ def report(
     return document, fixed, auto
 
 
+def fmt_s(value: float | None, unit: str = "s") -> str:
+    if value is None:
+        return "-"
+    return f"{value * 1000:.1f} ms" if unit == "ms" else f"{value:.2f} s"
+
+
+def table(docs: list[dict[str, Any]]) -> str:
+    """Markdown: per workload and run, the actions, the target metric before/after and the whole-run figures."""
+    lines = [
+        "| workload (run) | action at | target metric: before -> after (fixed, same period) "
+        "| TTFT p90 fixed / autopilot | TPOT p90 fixed / autopilot "
+        "| SLO attainment fixed / autopilot | GPU-hours fixed / autopilot |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for doc in docs:
+        after = doc["after_first_change"]
+        fixed, auto = after["fixed"], after["autopilot"]
+        actions = doc["actions"] or [None]
+        for index, action in enumerate(actions):
+            run = f"{doc['workload']} ({doc.get('run', 'default')})" if index == 0 else ""
+            if action is None:
+                what, metric = "no action", "-"
+            else:
+                unit = "ms" if action["target_metric"] == "itl_p90" else "s"
+                what = f"{action['t'] / 60:.0f} min: {action['action']}"
+                metric = (
+                    f"{action['target_metric']} {fmt_s(action['before'], unit)} -> "
+                    f"{fmt_s(action['after_autopilot'], unit)} ({fmt_s(action['same_period_fixed'], unit)})"
+                )
+                if action["target_metric"] == "itl_p90" and action.get("tpot_p90_after") is not None:
+                    tpot = f"{fmt_s(action['tpot_p90_before'], 'ms')} -> {fmt_s(action['tpot_p90_after'], 'ms')}"
+                    metric += f"; TPOT p90 {tpot}"
+            figures = (
+                [
+                    f"{fmt_s(fixed['ttft_p90_s'])} / {fmt_s(auto['ttft_p90_s'])}",
+                    f"{fmt_s(fixed['tpot_p90_s'], 'ms')} / {fmt_s(auto['tpot_p90_s'], 'ms')}",
+                    f"{fixed['slo_attainment']:.0%} / {auto['slo_attainment']:.0%}",
+                    f"{doc['gpu_hours']['fixed']} / {doc['gpu_hours']['autopilot']}",
+                ]
+                if index == 0
+                else ["", "", "", ""]
+            )
+            lines.append("| " + " | ".join([run, what, metric, *figures]) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def sim_startup(sim: Simulation) -> float:
     return sim.startup_s
 
@@ -703,7 +749,10 @@ def plot(results: list[tuple[dict[str, Any], Simulation, Simulation]], out: Path
             ax.annotate(action["action"], (action["t"] / 60, ax.get_ylim()[1] * 0.9), fontsize=7, rotation=90,
                         va="top", ha="right")  # fmt: skip
         ax.set_ylabel("ms")
-        ax.set_yscale("log")
+        if metric != "itl_p90":
+            ax.set_yscale("log")  # TTFT spans queueing of minutes and sub-second prefills
+        else:
+            ax.set_ylim(bottom=0)
         ax.set_title(doc["workload"], fontsize=10)
         ax.legend(fontsize=7, loc="upper left")
     axes[-1, 0].set_xlabel("minutes")
@@ -722,13 +771,25 @@ def main() -> int:
         "--policy", default="{}", help="AutopilotPolicy fields as JSON (as SPLITSERVE_AUTOPILOT_POLICY in the operator)"
     )
     parser.add_argument("--tag", default="", help="suffix for the result files of a variant run")
+    parser.add_argument("--no-veto", action="store_true", help="drop optimization.veto from the workloads' specs")
+    parser.add_argument("--table", action="store_true", help="only write autopilot_table.md from the summary files")
     args = parser.parse_args()
     policy = AutopilotPolicy(**json.loads(args.policy))
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    if args.table:
+        docs = []
+        for path in sorted(out.glob("autopilot_summary*.json")):
+            run = path.stem.removeprefix("autopilot_summary").lstrip("_") or "default"
+            docs += [{**doc, "run": run} for doc in json.loads(path.read_text())]
+        (out / "autopilot_table.md").write_text(table(docs))
+        print(table(docs))
+        return 0
     chosen = [w for w in WORKLOADS if not args.workload or w.name in args.workload]
     if args.duration:
         chosen = [dataclasses.replace(w, duration_s=args.duration) for w in chosen]
+    if args.no_veto:
+        chosen = [dataclasses.replace(w, spec=merge_patch(w.spec, {"optimization": {"veto": None}})) for w in chosen]
     tag = f"_{args.tag}" if args.tag else ""
     results = []
     for w in chosen:
