@@ -491,20 +491,30 @@ async def test_both_pools_at_zero_decode_comes_first_then_prefill_returns_on_fal
 
         # That fallback is prefill's demand: the autoscaler brings prefill back, after decode.
         await eventually(lambda: rig.replicas_equal(prefill=1), "the operator scales prefill 0→1", limit_s=60)
-        decisions = (await rig.status())["autoscaling"]["lastDecisions"]  # newest first
+
+        async def decisions_after_prefill_up() -> list[dict[str, Any]]:
+            # /scale lands before the status write: wait for the decision to be recorded too.
+            decisions: list[dict[str, Any]] = ((await rig.status()).get("autoscaling") or {}).get("lastDecisions") or []
+            return decisions if any(d["pool"] == "prefill" and d["toReplicas"] == 1 for d in decisions) else []
+
+        # Newest first.
+        decisions = await eventually(decisions_after_prefill_up, "the prefill decision in status", limit_s=10)
         ups = [
             (d["pool"], d["fromReplicas"], d["toReplicas"]) for d in decisions if d["toReplicas"] > d["fromReplicas"]
         ]
         assert ups[:2] == [("prefill", 0, 1), ("decode", 0, 1)], decisions
         assert "prefill_fallbacks=1" in decisions[0]["reason"], decisions[0]["reason"]
-        scaled = [
-            e for e in await rig.events() if e.get("reason") == "Scaled" and "prefill 0→1" in e.get("message", "")
-        ]
-        assert scaled and "prefill_fallbacks=1" in scaled[0]["message"], [e.get("message") for e in await rig.events()]
+
+        async def prefill_scaled_events() -> list[dict[str, Any]]:
+            events = await rig.events()
+            return [e for e in events if e.get("reason") == "Scaled" and "prefill 0→1" in e.get("message", "")]
+
+        scaled = await eventually(prefill_scaled_events, "a Scaled event for prefill 0→1", limit_s=10)
+        assert "prefill_fallbacks=1" in scaled[0]["message"], scaled[0]["message"]
 
         # kubelet: the prefill pod starts; later requests go through prefill and decode again.
         await rig.start_prefill_worker()
-        await eventually(as_async(lambda: len(router.prefill.workers) == 1), "the router found the prefill worker")
+        await eventually(as_async(lambda: router.prefill.has_healthy), "the router has a healthy prefill worker")
         async with httpx.AsyncClient(base_url=rig.router_url, timeout=60) as client:
             await asyncio.gather(*(one_request(client, i) for i in range(4)))
         await eventually(
