@@ -259,6 +259,7 @@ class Simulation:
         self.actions: list[dict[str, Any]] = []
         self.timeline: list[dict[str, Any]] = []
         self.gpu_seconds = 0.0
+        self.all_itl: list[tuple[float, float]] = []  # (arrival of the request, step gap): the whole run
         self.serving_mode = self.spec.mode
         self._reconfigure(initial=True)
 
@@ -568,6 +569,7 @@ class Engine:
                     continue
             gap = now - (request.last_token or now)
             obs.itl_step.append((now, gap))  # one observation per request per step, as vLLM v1 records it
+            self.sim.all_itl.append((request.arrival, gap))
             request.tokens += count
             request.last_token = now
         for seq in result.finished:
@@ -625,6 +627,7 @@ def summarize(sim: Simulation, trace: list[Request], since: float = 0.0, until: 
         "completed": len(done),
         "ttft_p90_s": rounded(quantile(ttft, 0.9)),
         "tpot_p90_s": rounded(quantile(tpot, 0.9)),
+        "itl_p90_s": rounded(quantile([gap for arrival, gap in sim.all_itl if since <= arrival < end], 0.9)),
         "slo_attainment": round(met / len(window), 4) if window else None,
     }
 
@@ -686,9 +689,9 @@ def table(docs: list[dict[str, Any]]) -> str:
     """Markdown: per workload and run, the actions, the target metric before/after and the whole-run figures."""
     lines = [
         "| workload (run) | action at | target metric: before -> after (fixed, same period) "
-        "| TTFT p90 fixed / autopilot | TPOT p90 fixed / autopilot "
+        "| TTFT p90 fixed / autopilot | ITL p90 (vLLM, per step) fixed / autopilot | TPOT p90 fixed / autopilot "
         "| SLO attainment fixed / autopilot | GPU-hours fixed / autopilot |",
-        "|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for doc in docs:
         after = doc["after_first_change"]
@@ -711,12 +714,13 @@ def table(docs: list[dict[str, Any]]) -> str:
             figures = (
                 [
                     f"{fmt_s(fixed['ttft_p90_s'])} / {fmt_s(auto['ttft_p90_s'])}",
+                    f"{fmt_s(fixed['itl_p90_s'], 'ms')} / {fmt_s(auto['itl_p90_s'], 'ms')}",
                     f"{fmt_s(fixed['tpot_p90_s'], 'ms')} / {fmt_s(auto['tpot_p90_s'], 'ms')}",
                     f"{fixed['slo_attainment']:.0%} / {auto['slo_attainment']:.0%}",
                     f"{doc['gpu_hours']['fixed']} / {doc['gpu_hours']['autopilot']}",
                 ]
                 if index == 0
-                else ["", "", "", ""]
+                else ["", "", "", "", ""]
             )
             lines.append("| " + " | ".join([run, what, metric, *figures]) + " |")
     return "\n".join(lines) + "\n"
