@@ -11,6 +11,9 @@ class PatchError(ValueError):
     """The patch cannot be applied; the API server answers 422 Unprocessable Entity."""
 
 
+# The emulator keeps its own patch semantics rather than importing the operator's
+# (splitserve.controller.effective.merge_patch): it stands in for the API server the operator is
+# tested against, so a bug in the operator's merge must not be mirrored here.
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386: dicts merge recursively, null deletes, everything else (lists too) replaces."""
     if not isinstance(patch, Mapping):

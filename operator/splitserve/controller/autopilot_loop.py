@@ -23,7 +23,7 @@ from pydantic import ValidationError
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import AutopilotStatus, InferenceDeploymentStatus, OptimizationEvent
 from splitserve.controller.effective import active_overrides, declared, effective_spec, merge_patch, minimal
-from splitserve.controller.reconcile import IDEP, Reconciler, RetryLater
+from splitserve.controller.reconcile import Reconciler, RetryLater, read_live
 from splitserve.diagnosis.autopilot import (
     Action,
     AppliedAction,
@@ -128,13 +128,10 @@ async def optimize_once(
     settings: AutopilotSettings,
 ) -> Decision | None:
     """One autopilot step for one InferenceDeployment; returns the decision (None: nothing to evaluate)."""
-    body = await reconciler.kube.get(*IDEP, namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
+    found = await read_live(reconciler.kube, namespace, name)
+    if found is None:
         return None
-    try:
-        written = InferenceDeploymentSpec.model_validate(body["spec"])
-    except ValidationError:
-        return None  # the reconciler reports InvalidSpec
+    body, written = found
     status = InferenceDeploymentStatus.model_validate(body.get("status") or {})
     autopilot = status.autopilot or AutopilotStatus()
     overrides = active_overrides(written, autopilot.overrides)

@@ -74,6 +74,20 @@ class RetryLater(Exception):
         self.delay = delay
 
 
+async def read_live(
+    kube: KubeClient, namespace: str, name: str
+) -> tuple[dict[str, Any], InferenceDeploymentSpec] | None:
+    """The object and its spec as written; None when it is gone, being deleted or invalid (the
+    reconciler reports InvalidSpec, so the periodic loops just skip it)."""
+    body = await kube.get(*IDEP, namespace, name)
+    if body is None or body["metadata"].get("deletionTimestamp"):
+        return None
+    try:
+        return body, InferenceDeploymentSpec.model_validate(body["spec"])
+    except ValidationError:
+        return None
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 

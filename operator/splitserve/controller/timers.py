@@ -18,7 +18,7 @@ from splitserve.autoscaling.evaluate import evaluate, status_for
 from splitserve.autoscaling.prometheus import PrometheusClient
 from splitserve.builders.naming import pool_name, worker_roles
 from splitserve.controller.effective import effective_spec
-from splitserve.controller.reconcile import IDEP, Reconciler, utc_now
+from splitserve.controller.reconcile import Reconciler, read_live, utc_now
 from splitserve.controller.rollup import merge_condition
 from splitserve.diagnosis.service import run_diagnosis
 
@@ -33,13 +33,10 @@ def builtin_autoscaling(spec: dict[str, Any]) -> bool:
 async def _spec_of(
     reconciler: Reconciler, namespace: str, name: str
 ) -> tuple[dict[str, Any], InferenceDeploymentSpec] | None:
-    body = await reconciler.kube.get(*IDEP, namespace, name)
-    if body is None or body["metadata"].get("deletionTimestamp"):
+    found = await read_live(reconciler.kube, namespace, name)
+    if found is None:
         return None
-    try:
-        written = InferenceDeploymentSpec.model_validate(body["spec"])
-    except ValidationError:
-        return None  # the reconciler reports InvalidSpec; nothing to scale
+    body, written = found
     # The spec being served: dynamic optimization may have switched the mode (other pools) or more.
     overrides = ((body.get("status") or {}).get("autopilot") or {}).get("overrides") or {}
     try:
