@@ -18,6 +18,7 @@ from splitserve.diagnosis.autopilot import (
     Sample,
     ServingState,
     decide,
+    from_event,
     sample_from_input,
     state_from_spec,
 )
@@ -26,7 +27,7 @@ from splitserve.diagnosis.questions import traffic_needs
 from splitserve.diagnosis.telemetry import Reading, Telemetry
 from tests.diagnosis.conftest import InputFactory, SpecFactory
 
-POLICY = AutopilotPolicy()  # window 600 s, evaluation 600 s, min interval 1800 s
+POLICY = AutopilotPolicy()  # window 600 s, settle 420 s, evaluation 900 s, min interval 1800 s
 DISAGG_OFF = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=2)
 DISAGG_ON = ServingState(Mode.DISAGGREGATED, "ngram", prefill_replicas=1, decode_replicas=2)
 AGG_OFF = ServingState(Mode.AGGREGATED, "off", prefill_replicas=1, decode_replicas=2)
@@ -133,8 +134,8 @@ def test_waits_for_the_evaluation_period_after_a_change() -> None:
 def test_undo_when_the_target_metric_got_worse() -> None:
     original = _spec_on_action()  # baseline ITL 0.04
     history = [_applied(original, 1200)]
-    samples = series(0, 1200, **LOW) + series(1260, 2000, **{**LOW, "itl_p90": 0.06})
-    action = run(DISAGG_ON, samples, 2000, history=history).action
+    samples = series(0, 1200, **LOW) + series(1260, 2100, **{**LOW, "itl_p90": 0.06})
+    action = run(DISAGG_ON, samples, 2100, history=history).action
     assert action is not None and action.reverts is original
     assert action.patch == original.undo_patch
     assert action.numbers == {"before": pytest.approx(0.04), "after": pytest.approx(0.06)}
@@ -144,8 +145,8 @@ def test_undo_when_the_target_metric_got_worse() -> None:
 
 def test_no_undo_within_the_tolerance_and_rate_limit_holds() -> None:
     history = [_applied(_spec_on_action(), 1200)]
-    samples = series(0, 1200, **LOW) + series(1260, 2000, **{**LOW, "itl_p90": 0.043})  # +7.5% < 10%
-    decision = run(DISAGG_ON, samples, 2000, history=history)
+    samples = series(0, 1200, **LOW) + series(1260, 2100, **{**LOW, "itl_p90": 0.043})  # +7.5% < 10%
+    decision = run(DISAGG_ON, samples, 2100, history=history)
     assert decision.action is None and "rate limited" in decision.note
 
 
@@ -183,8 +184,8 @@ def test_veto_blocks_a_kind_and_lets_the_next_through() -> None:
 
 def test_veto_also_blocks_the_undo() -> None:
     history = [_applied(_spec_on_action(), 1200)]
-    samples = series(0, 1200, **LOW) + series(1260, 2000, **{**LOW, "itl_p90": 0.2})
-    decision = run(DISAGG_ON, samples, 2000, history=history, veto=["speculativeDecoding"])
+    samples = series(0, 1200, **LOW) + series(1260, 2100, **{**LOW, "itl_p90": 0.2})
+    decision = run(DISAGG_ON, samples, 2100, history=history, veto=["speculativeDecoding"])
     assert decision.action is None and "vetoed" in decision.note
 
 
@@ -320,3 +321,143 @@ def test_closed_loop_follows_the_load() -> None:
         "switch to disaggregated",
         "turn speculative decoding off",
     ]
+
+
+# --- speculative decoding is judged on the time per output token (vLLM's ITL is per engine step)
+
+
+def test_speculative_decoding_is_judged_on_tpot_when_the_engines_export_it() -> None:
+    samples = series(0, 1200, **{**LOW, "tpot_p90": 0.012})
+    action = run(DISAGG_OFF, samples, 1200).action
+    assert action is not None and action.kind == "speculativeDecoding"
+    assert action.target_metric == "tpot_p90" and action.baseline == pytest.approx(0.012)
+    assert action.numbers["tpot_p90"] == pytest.approx(0.012)
+    assert action.to_event("2026-01-01T00:00:00Z").target_metric == "tpot_p90"
+
+
+def test_a_speculative_step_that_looks_longer_per_step_but_halves_tpot_is_kept() -> None:
+    """vLLM v1 observes one ITL per request per step: a draft model makes the step ~33% longer."""
+    before = {**LOW, "itl_p90": 0.012, "tpot_p90": 0.012}
+    after = {**LOW, "itl_p90": 0.016, "tpot_p90": 0.0074}
+    original = run(DISAGG_OFF, series(0, 1200, **before), 1200).action
+    assert original is not None
+    samples = series(0, 1200, **before) + series(1260, 2100, **after)
+    decision = run(DISAGG_ON, samples, 2100, history=[_applied(original, 1200)])
+    assert decision.action is None and "rate limited" in decision.note
+
+
+def test_a_speculative_change_that_makes_tpot_worse_is_undone() -> None:
+    before = {**LOW, "tpot_p90": 0.012}
+    original = run(DISAGG_OFF, series(0, 1200, **before), 1200).action
+    assert original is not None
+    samples = series(0, 1200, **before) + series(1260, 2100, **{**before, "itl_p90": 0.04, "tpot_p90": 0.02})
+    action = run(DISAGG_ON, samples, 2100, history=[_applied(original, 1200)]).action
+    assert action is not None and action.reverts is original
+    assert action.numbers == {"before": pytest.approx(0.012), "after": pytest.approx(0.02)}
+
+
+def test_old_history_entries_judged_on_itl_still_load_and_undo() -> None:
+    original = _spec_on_action()  # samples without TPOT: the fallback, itl_p90
+    assert original.target_metric == "itl_p90"
+    event = original.to_event("2026-01-01T00:20:00Z", 1200.0)
+    applied = from_event(event)
+    assert applied is not None and applied.action.target_metric == "itl_p90"
+    samples = series(0, 1200, **LOW) + series(1260, 2100, **{**LOW, "itl_p90": 0.06, "tpot_p90": 0.001})
+    action = run(DISAGG_ON, samples, 2100, history=[applied]).action
+    assert action is not None and action.reverts is not None and action.numbers["after"] == pytest.approx(0.06)
+    tpot_event = event.model_copy(update={"target_metric": "tpot_p90"})
+    loaded = from_event(tpot_event)
+    assert loaded is not None and loaded.action.target_metric == "tpot_p90"
+
+
+# --- the undo check ignores samples taken while the change settles
+
+
+def test_undo_ignores_start_up_and_a_telemetry_window_full_of_the_old_state() -> None:
+    """A prefill scale-up: TTFT keeps the backlog's value while the window refills, then falls far below."""
+    state = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=4)
+    queueing = {**CALM, "ttft_p90": 90.0, "ttft_inflation": 30.0, "needed_ratio": 0.5}
+    original = run(state, series(0, 1200, **queueing), 1200).action
+    assert original is not None and original.kind == "ratio" and original.baseline == pytest.approx(90.0)
+    settling = series(1260, 1200 + POLICY.settle_s, **{**queueing, "ttft_p90": 300.0})
+    recovered = series(1200 + POLICY.settle_s + 60, 2100, **{**queueing, "ttft_p90": 8.0})
+    samples = series(0, 1200, **queueing) + settling + recovered
+    scaled = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=2, decode_replicas=4)
+    decision = run(scaled, samples, 2100, history=[_applied(original, 1200)])
+    assert decision.action is None and "rate limited" in decision.note
+
+
+def test_a_change_still_worse_after_settling_is_undone() -> None:
+    state = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=4)
+    queueing = {**CALM, "ttft_p90": 90.0, "ttft_inflation": 30.0, "needed_ratio": 0.5}
+    original = run(state, series(0, 1200, **queueing), 1200).action
+    assert original is not None
+    samples = series(0, 1200, **queueing) + series(1260, 2100, **{**queueing, "ttft_p90": 120.0})
+    scaled = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=2, decode_replicas=4)
+    action = run(scaled, samples, 2100, history=[_applied(original, 1200)]).action
+    assert action is not None and action.reverts is original
+
+
+def test_evaluation_waits_for_enough_settled_samples() -> None:
+    history = [_applied(_spec_on_action(), 1200)]
+    # Telemetry missed every minute after settling: nothing to judge on yet, and nothing else happens.
+    samples = series(0, 1200, **LOW) + series(1260, 1200 + POLICY.settle_s, **{**LOW, "itl_p90": 0.2})
+    decision = run(DISAGG_ON, samples, 2100, history=history)
+    assert decision.action is None and "settled" in decision.note
+
+
+def test_policy_rejects_an_evaluation_before_the_settle_period_ends() -> None:
+    with pytest.raises(ValueError, match="settle"):
+        AutopilotPolicy(settle_s=600, evaluation_s=600)
+    assert POLICY.settle_s < POLICY.evaluation_s < POLICY.min_interval_s
+
+
+# --- a decode pool starved by prefill looks idle: add prefill, do not speculate or aggregate
+
+
+PREFILL_STARVED: dict[str, Any] = {**LOW, "batch_per_replica": 2.0, "ttft_p90": 120.0, "ttft_inflation": 40.0}
+
+
+def test_prefill_bound_window_changes_the_ratio_not_speculative_decoding() -> None:
+    state = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=4)
+    decision = run(state, series(0, 1200, **{**PREFILL_STARVED, "needed_ratio": 0.5}), 1200)
+    action = decision.action
+    assert action is not None and action.kind == "ratio" and action.patch == {"prefill": {"replicas": 2}}
+    vetoed = run(state, series(0, 1200, **{**PREFILL_STARVED, "needed_ratio": 0.5}), 1200, veto=["ratio"])
+    assert vetoed.action is None and "prefill-bound" in vetoed.note
+
+
+@pytest.mark.parametrize(
+    "evidence",
+    [
+        {"ttft_inflation": 2.5},  # TTFT inflation alone
+        {"ttft_inflation": 1.1, "needed_ratio": 2.0},  # the traffic's prefill need alone (ratio now 0.5)
+        {"ttft_inflation": 1.1, "ttft_p90": 3.0, "ttft_slo": 1.0},  # a declared TTFT SLO missed
+    ],
+)
+def test_prefill_bound_evidence_blocks_speculative_on_and_aggregated(evidence: dict[str, Any]) -> None:
+    samples = series(0, 1200, **{**LOW, "batch_per_replica": 2.0, **evidence})
+    decision = run(DISAGG_OFF, samples, 1200, veto=["ratio"])
+    assert decision.action is None and "prefill-bound" in decision.note
+    assert "switch to aggregated held back" in decision.note
+
+
+def test_no_prefill_bound_evidence_lets_speculative_decoding_on() -> None:
+    samples = series(0, 1200, **{**LOW, "ttft_inflation": 1.5, "needed_ratio": 0.6, "ttft_p90": 0.5, "ttft_slo": 1.0})
+    action = run(DISAGG_OFF, samples, 1200).action
+    assert action is not None and action.kind == "speculativeDecoding"
+
+
+def test_speculative_off_is_never_held_back() -> None:
+    samples = series(0, 1200, **{**HIGH, "ttft_inflation": 5.0, "needed_ratio": 3.0})
+    action = run(DISAGG_ON, samples, 1200, veto=["ratio"]).action
+    assert action is not None and action.what == "turn speculative decoding off"
+
+
+def test_samples_carry_tpot_and_only_a_declared_ttft_slo(make_spec: SpecFactory, make_input: InputFactory) -> None:
+    telemetry = Telemetry(tpot_p90=Reading(0.007, "q"), itl_p90=Reading(0.012, "q"))
+    facts = ModelFacts(8e9, "test", KvShape(32, 8, 128), "test", 32)
+    undeclared = sample_from_input(make_input(make_spec({}), telemetry=telemetry, facts=facts), 1.0)
+    assert undeclared.tpot_p90 == pytest.approx(0.007) and undeclared.ttft_slo is None
+    declared = make_spec({"autoscaling": {"prefill": {"ttftSloSeconds": 2.5}}})
+    assert sample_from_input(make_input(declared, telemetry=telemetry, facts=facts), 1.0).ttft_slo == 2.5

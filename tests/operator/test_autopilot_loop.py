@@ -113,7 +113,7 @@ async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoe
             undone_at = minute
             assert decision.action.reverts is not None
             break
-    assert undone_at == applied_at + 10
+    assert undone_at == applied_at + 15
     assert "--speculative-config" not in await args_of(world, "vt-aggregated")
     observed = await status(world, "vt")
     assert observed["autopilot"]["overrides"] == {}

@@ -5,16 +5,28 @@ history of changes it applied, and applies the returned `Action` (a merge patch)
 
 Rules, in the order they are checked:
 1. Nothing happens unless `dynamic` is on; a kind named in `veto` is never changed (not even undone).
-2. Undo: once a change has run for `evaluation_s`, its target metric (mean over the samples taken since)
-   is compared with the baseline recorded when it was decided; worse by more than `worse_tolerance`
-   -> revert it. A reverted change is not tried again for `retry_after_revert_s`.
+2. Undo: once a change has run for `evaluation_s`, its target metric (mean over the samples taken after
+   `settle_s`: new replicas starting and a telemetry rate window still full of the old state say nothing
+   about the new one) is compared with the baseline recorded when it was decided; worse by more than
+   `worse_tolerance` -> revert it. A reverted change is not tried again for `retry_after_revert_s`.
 3. Rate limit: no new change within `min_interval_s` of the last one (a change that has not been
    evaluated yet blocks everything but its own undo).
 4. Sustained evidence: a change is made only when every sample in the last `window_s` (at least
    `min_samples`, all taken after the last change, observed for the whole window) supports it.
 5. Hysteresis: the thresholds that turn something on and off are apart (e.g. speculative decoding on
    at batch <= 8, off at batch >= 32), so noise around one threshold cannot flap the setting.
+6. Prefill-bound guard: while the window shows prompts waiting for prefill (mean TTFT inflation >=
+   `disaggregate_above_inflation`, a needed prefill:decode ratio above the current one by `ratio_band`,
+   or TTFT p90 over the declared TTFT SLO), speculative decoding is not turned on and the mode is not
+   switched to aggregated: a decode pool starved by prefill looks idle (small batches), but neither
+   change adds prefill capacity. The ratio change (or disaggregation) is the lever then.
 Priority when several changes are supported: mode, then speculative decoding, then the ratio.
+
+Target metrics: mode and ratio changes are judged on TTFT p90; speculative decoding on the p90 of each
+request's time per output token (`vllm:request_time_per_output_token_seconds`), falling back to ITL p90
+when that is missing. vLLM v1's `vllm:inter_token_latency_seconds` is one observation per request per
+engine step whatever the number of tokens the step produced, so a speculative step looks slightly slower
+on it while the time per token halves.
 
 Note on speculative decoding: it is turned on at LOW load, unlike the source article's example of
 enabling it "during peak traffic": draft-and-verify pays only while decode is memory-bandwidth-bound
@@ -34,7 +46,7 @@ from splitserve.diagnosis.findings import DiagnosisInput
 from splitserve.diagnosis.questions import traffic_needs
 
 ActionKind = Literal["mode", "speculativeDecoding", "ratio"]
-TargetMetric = Literal["itl_p90", "ttft_p90"]
+TargetMetric = Literal["itl_p90", "tpot_p90", "ttft_p90"]
 
 
 @dataclass(frozen=True)
@@ -47,6 +59,8 @@ class Sample:
     ttft_p90: float | None = None
     ttft_inflation: float | None = None  # TTFT p90 / prefill time p90
     needed_ratio: float | None = None  # prefill:decode replicas the traffic needs
+    tpot_p90: float | None = None  # per request: decode time / (output tokens - 1)
+    ttft_slo: float | None = None  # TTFT p90 the spec declares, when it declares one
 
 
 @dataclass(frozen=True)
@@ -67,7 +81,8 @@ class AutopilotPolicy:
     window_s: float = 600.0
     min_samples: int = 3
     min_interval_s: float = 1800.0
-    evaluation_s: float = 600.0
+    evaluation_s: float = 900.0
+    settle_s: float = 420.0  # after a change: start-up (~90 s) + one 5 m telemetry window
     worse_tolerance: float = 0.10
     retry_after_revert_s: float = 4 * 3600.0
     speculative_on_below_batch: float = 8.0
@@ -80,6 +95,8 @@ class AutopilotPolicy:
     def __post_init__(self) -> None:
         if self.evaluation_s >= self.min_interval_s:
             raise ValueError("evaluation_s must be below min_interval_s (a change is judged before the next)")
+        if self.settle_s < 0 or self.evaluation_s <= self.settle_s:
+            raise ValueError("evaluation_s must exceed settle_s (samples after settling decide an undo)")
         if self.speculative_on_below_batch >= self.speculative_off_above_batch:
             raise ValueError("speculative decoding thresholds need a hysteresis gap (on below < off above)")
         if self.aggregate_below_batch >= self.disaggregate_above_batch:
@@ -125,7 +142,9 @@ def from_event(event: OptimizationEvent) -> AppliedAction | None:
     if event.kind not in ("mode", "speculativeDecoding", "ratio") or event.patch is None or event.undo_patch is None:
         return None
     kind: ActionKind = event.kind  # type: ignore[assignment]  # checked just above
-    metric: TargetMetric = "itl_p90" if event.target_metric == "itl_p90" else "ttft_p90"
+    metric: TargetMetric = (
+        event.target_metric if event.target_metric in ("itl_p90", "tpot_p90") else "ttft_p90"  # type: ignore[assignment]
+    )
     action = Action(
         kind=kind,
         what=event.action,
@@ -163,6 +182,8 @@ def _mean(values: Sequence[float | None]) -> float | None:
 
 
 def _metric(sample: Sample, metric: TargetMetric) -> float | None:
+    if metric == "tpot_p90":
+        return sample.tpot_p90
     return sample.itl_p90 if metric == "itl_p90" else sample.ttft_p90
 
 
@@ -214,7 +235,8 @@ def decide(
         if age < policy.evaluation_s:
             return Decision(None, f"waiting {policy.evaluation_s - age:.0f}s more to evaluate: {last.action.what}")
         if age < policy.min_interval_s:
-            after = [s for s in samples if last.time < s.time <= now]
+            settled = last.time + policy.settle_s
+            after = [s for s in samples if settled < s.time <= now]
             post = _mean([_metric(s, last.action.target_metric) for s in after])
             baseline = last.action.baseline
             worse = (
@@ -227,6 +249,11 @@ def decide(
                 if last.action.kind in veto:
                     return Decision(None, f"{last.action.what} made things worse but {last.action.kind} is vetoed")
                 return Decision(_revert(last, post), f"undo {last.action.what}")
+            if len(after) < policy.min_samples:
+                return Decision(
+                    None,
+                    f"only {len(after)} samples since {last.action.what} settled (need {policy.min_samples})",
+                )
             return Decision(None, f"rate limited: last change {age:.0f}s ago (min {policy.min_interval_s:.0f}s)")
     if last is not None and now - last.time < policy.min_interval_s:
         return Decision(
@@ -242,9 +269,13 @@ def decide(
         return Decision(None, f"only {len(window)} samples in the window (need {policy.min_samples})")
 
     notes: list[str] = []
+    bound = prefill_bound(state, window, policy)
     for kind, propose in _PROPOSALS:
         action = propose(state, window, policy)
         if action is None:
+            continue
+        if bound and _starves_prefill(action):
+            notes.append(f"{action.what} held back: prefill-bound ({bound})")
             continue
         if kind in veto:
             notes.append(f"{action.what} vetoed")
@@ -254,6 +285,28 @@ def decide(
             continue
         return Decision(action, action.what)
     return Decision(None, "; ".join(notes) or "no sustained evidence for a change")
+
+
+def prefill_bound(state: ServingState, window: Sequence[Sample], policy: AutopilotPolicy) -> str:
+    """Why the window looks prefill-bound ("" when it does not): prompts wait for prefill capacity."""
+    inflation = _mean([s.ttft_inflation for s in window])
+    if inflation is not None and inflation >= policy.disaggregate_above_inflation:
+        return f"TTFT inflation {inflation:.3g} >= {policy.disaggregate_above_inflation:g}"
+    needs = [s.needed_ratio for s in window if s.needed_ratio is not None]
+    if state.mode is Mode.DISAGGREGATED and needs and statistics.median(needs) > state.ratio * policy.ratio_band:
+        return f"needed prefill:decode {statistics.median(needs):.3g} > {state.ratio:.3g} x {policy.ratio_band:g}"
+    ttft = _mean([s.ttft_p90 for s in window])
+    slos = [s.ttft_slo for s in window if s.ttft_slo is not None]
+    if ttft is not None and slos and ttft > min(slos):
+        return f"TTFT p90 {ttft:.3g}s over the {min(slos):.3g}s SLO"
+    return ""
+
+
+def _starves_prefill(action: Action) -> bool:
+    """Changes that a small decode batch suggests but that add no prefill capacity."""
+    if action.kind == "speculativeDecoding":
+        return bool(action.patch["engine"]["speculativeDecoding"]["method"] != "off")
+    return action.kind == "mode" and action.patch.get("mode") == Mode.AGGREGATED.value
 
 
 def _all(window: Sequence[Sample], test: Callable[[Sample], bool]) -> bool:
@@ -304,11 +357,19 @@ def _propose_mode(state: ServingState, window: Sequence[Sample], policy: Autopil
 def _propose_speculative(state: ServingState, window: Sequence[Sample], policy: AutopilotPolicy) -> Action | None:
     batch = _mean([s.batch_per_replica for s in window]) or 0.0
     itl = _mean([s.itl_p90 for s in window])
+    tpot = _mean([s.tpot_p90 for s in window])
+    # Judged on the time per output token when the engines export it (see the module docstring).
+    metric: TargetMetric = "tpot_p90" if tpot is not None else "itl_p90"
+    baseline = tpot if tpot is not None else itl
 
     def patch(method: str) -> dict[str, Any]:
         return {"engine": {"speculativeDecoding": {"method": method}}}
 
-    numbers = {"batch": batch, **({"itl_p90": itl} if itl is not None else {})}
+    numbers = {
+        "batch": batch,
+        **({"itl_p90": itl} if itl is not None else {}),
+        **({"tpot_p90": tpot} if tpot is not None else {}),
+    }
     if state.speculative_method == "off" and _all(window, lambda s: _batch(s) <= policy.speculative_on_below_batch):
         method = state.speculative_method_when_on
         return Action(
@@ -317,8 +378,8 @@ def _propose_speculative(state: ServingState, window: Sequence[Sample], policy: 
             f"batch <= {policy.speculative_on_below_batch:g} for {policy.window_s:.0f}s: decode is bandwidth-bound",
             patch(method),
             patch("off"),
-            "itl_p90",
-            itl,
+            metric,
+            baseline,
             numbers,
         )
     if state.speculative_method != "off" and _all(window, lambda s: _batch(s) >= policy.speculative_off_above_batch):
@@ -329,8 +390,8 @@ def _propose_speculative(state: ServingState, window: Sequence[Sample], policy: 
             "verification work costs throughput",
             patch("off"),
             patch(state.speculative_method),
-            "itl_p90",
-            itl,
+            metric,
+            baseline,
             numbers,
         )
     return None
@@ -396,7 +457,15 @@ def sample_from_input(inp: DiagnosisInput, time: float) -> Sample:
         time=time,
         batch_per_replica=tel.running_per_replica.value,
         itl_p90=tel.itl_p90.value,
+        tpot_p90=tel.tpot_p90.value,
+        ttft_slo=_declared_ttft_slo(inp.spec),
         ttft_p90=ttft,
         ttft_inflation=ttft / prefill if ttft is not None and prefill else None,
         needed_ratio=needs[0] / needs[1] if needs is not None and needs[1] > 0 else None,
     )
+
+
+def _declared_ttft_slo(spec: InferenceDeploymentSpec) -> float | None:
+    """The TTFT SLO when the spec sets one (the field's default is an autoscaling target, not a promise)."""
+    targets = spec.autoscaling.prefill
+    return targets.ttft_slo_seconds if "ttft_slo_seconds" in targets.model_fields_set else None

@@ -60,7 +60,8 @@ class Telemetry:
     preemptions_rate: Reading = NO_DATA
     kv_usage_max: Reading = NO_DATA  # busiest worker's average over the window
     waiting_for_capacity: Reading = NO_DATA  # window average, summed over workers
-    itl_p90: Reading = NO_DATA
+    itl_p90: Reading = NO_DATA  # per request per engine step, whatever the tokens the step produced
+    tpot_p90: Reading = NO_DATA  # per request: decode time / (output tokens - 1); speculative steps count
     running_per_replica: Reading = NO_DATA  # batch size: busiest worker's average over the window
     ttft_p90: Reading = NO_DATA
     prefill_time_p90: Reading = NO_DATA
@@ -139,6 +140,10 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         ),
         itl_p90=await first_of(
             _p90("vllm:inter_token_latency_seconds", decode, w), _p90("vllm:inter_token_latency_seconds", e, w)
+        ),
+        tpot_p90=await first_of(
+            _p90("vllm:request_time_per_output_token_seconds", decode, w),
+            _p90("vllm:request_time_per_output_token_seconds", e, w),
         ),
         running_per_replica=await first_of(
             f"max(avg_over_time(vllm:num_requests_running{{{decode}}}[{w}]))",
