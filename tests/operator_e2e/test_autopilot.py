@@ -30,8 +30,16 @@ from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExpor
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
 BUCKETS = (0.01, 0.02, 0.05, 0.1, 0.2, 0.5, 1.0, 2.0)
-# Seconds, not minutes: a sample a second, 4 s of sustained evidence, judged 7 s after a change.
-POLICY = {"window_s": 4, "min_samples": 3, "evaluation_s": 7, "min_interval_s": 14, "retry_after_revert_s": 3600}
+# Seconds, not minutes: a sample a second, 4 s of sustained evidence, judged 7 s after a change on the
+# samples after a 2 s settle period.
+POLICY = {
+    "window_s": 4,
+    "min_samples": 3,
+    "settle_s": 2,
+    "evaluation_s": 7,
+    "min_interval_s": 14,
+    "retry_after_revert_s": 3600,
+}
 AUTOPILOT_ENV = {
     "SPLITSERVE_AUTOPILOT_INTERVAL_SECONDS": "1",
     "SPLITSERVE_AUTOPILOT_TELEMETRY_WINDOW": "5s",
