@@ -13,12 +13,15 @@ the `gpu-h100-8b` latency profile, driven by a discrete-event loop as in
 benchmarks/autoscaling/virtual.py; speculative decoding is `splitserve.sim.speculative` (its docstring
 states the cost model). Prefill/decode (P/D) disaggregation moves the KV cache with the profile's
 transfer time. What the telemetry does like vLLM: `vllm:inter_token_latency_seconds` is one
-observation per request per engine step (so with speculation it measures steps, not tokens);
-`--itl-view tpot` feeds the autopilot's `itl_p90` the p90 of each request's time per output token
-(`vllm:request_time_per_output_token_seconds`) instead, to show what that choice changes.
+observation per request per engine step (so with speculation it measures steps, not tokens), and
+`vllm:request_time_per_output_token_seconds` is each request's decode time / (output tokens - 1), which
+the autopilot judges speculative decoding on. `--no-tpot` leaves TPOT out of the telemetry (an engine
+that does not export it): the autopilot then falls back to the per-step ITL, as it did before.
 
     python benchmarks/diagnosis/autopilot_sim.py --out benchmarks/diagnosis/results
-    python benchmarks/diagnosis/autopilot_sim.py --workload low-load-chat --itl-view tpot
+    python benchmarks/diagnosis/autopilot_sim.py --workload low-load-chat --no-tpot --tag no-tpot
+    python benchmarks/diagnosis/autopilot_sim.py --workload prompt-heavy-shift \
+        --policy '{"settle_s": 0, "evaluation_s": 600}' --tag no-settle
 """
 
 from __future__ import annotations
@@ -222,14 +225,14 @@ class Simulation:
         self,
         w: Workload,
         autopilot: bool,
-        itl_view: str = "step",
+        export_tpot: bool = True,
         interval_s: float = 60.0,
         startup_s: float = 90.0,
         policy: AutopilotPolicy | None = None,
     ) -> None:
         self.w = w
         self.autopilot = autopilot
-        self.itl_view = itl_view
+        self.export_tpot = export_tpot
         self.interval_s = interval_s
         self.startup_s = startup_s
         self.policy = policy or AutopilotPolicy()
@@ -378,7 +381,7 @@ class Simulation:
         """What collect() would read from Prometheus over the last WINDOW_S (None where there is no data)."""
         self.obs.trim(self.now - WINDOW_S)
         o = self.obs
-        itl_series = o.itl_step if self.itl_view == "step" else o.tpot
+        tpot = quantile([v for _, v in o.tpot], 0.9) if self.export_tpot else None
         batches = [sum(n for _, n in s) / len(s) for s in o.batch.values() if s and s[-1][0] >= self.now - 10]
         arrived = len(o.arrived)
 
@@ -387,7 +390,8 @@ class Simulation:
 
         return Telemetry(
             window="5m",
-            itl_p90=reading(quantile([v for _, v in itl_series], 0.9), "ITL p90"),
+            itl_p90=reading(quantile([v for _, v in o.itl_step], 0.9), "ITL p90"),
+            tpot_p90=reading(tpot, "TPOT p90"),
             running_per_replica=reading(max(batches) if batches else None, "running"),
             ttft_p90=reading(quantile([v for _, v in o.ttft], 0.9), "TTFT p90"),
             prefill_time_p90=reading(quantile([v for _, v in o.prefill_time], 0.9), "prefill time p90"),
@@ -595,10 +599,10 @@ class Engine:
 
 
 def run_one(
-    w: Workload, autopilot: bool, itl_view: str, policy: AutopilotPolicy | None = None
+    w: Workload, autopilot: bool, export_tpot: bool, policy: AutopilotPolicy | None = None
 ) -> tuple[Simulation, list[Request]]:
     trace = make_trace(w)
-    sim = Simulation(w, autopilot, itl_view, policy=policy)
+    sim = Simulation(w, autopilot, export_tpot, policy=policy)
     sim.run(trace)
     return sim, trace
 
@@ -638,10 +642,10 @@ def metric_mean(sim: Simulation, metric: str, since: float, until: float) -> flo
 
 
 def report(
-    w: Workload, itl_view: str, policy: AutopilotPolicy | None = None
+    w: Workload, export_tpot: bool, policy: AutopilotPolicy | None = None
 ) -> tuple[dict[str, Any], Simulation, Simulation]:
-    fixed, trace_fixed = run_one(w, autopilot=False, itl_view=itl_view)
-    auto, trace_auto = run_one(w, autopilot=True, itl_view=itl_view, policy=policy)
+    fixed, trace_fixed = run_one(w, autopilot=False, export_tpot=export_tpot)
+    auto, trace_auto = run_one(w, autopilot=True, export_tpot=export_tpot, policy=policy)
     switches = []
     for index, action in enumerate(auto.actions):
         metric = action["target_metric"]
@@ -664,7 +668,7 @@ def report(
     document = {
         "workload": w.name,
         "story": w.story,
-        "itl_view": itl_view,
+        "telemetry_tpot": export_tpot,
         "policy": dataclasses.asdict(auto.policy),
         "initial_spec": w.spec,
         "actions": switches,
@@ -702,7 +706,7 @@ def table(docs: list[dict[str, Any]]) -> str:
             if action is None:
                 what, metric = "no action", "-"
             else:
-                unit = "ms" if action["target_metric"] == "itl_p90" else "s"
+                unit = "ms" if action["target_metric"] in ("itl_p90", "tpot_p90") else "s"
                 what = f"{action['t'] / 60:.0f} min: {action['action']}"
                 metric = (
                     f"{action['target_metric']} {fmt_s(action['before'], unit)} -> "
@@ -739,12 +743,12 @@ def plot(results: list[tuple[dict[str, Any], Simulation, Simulation]], out: Path
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 3.2 * len(results)), squeeze=False)
     for ax, (doc, fixed, auto) in zip(axes[:, 0], results, strict=True):
         metric = doc["actions"][0]["target_metric"] if doc["actions"] else "ttft_p90"
-        shown = "tpot_p90" if metric == "itl_p90" else metric
+        shown = "tpot_p90" if metric in ("itl_p90", "tpot_p90") else metric
         label = "TPOT p90 (per request)" if shown == "tpot_p90" else "TTFT p90"
         for sim, name, style in ((fixed, "fixed", "--"), (auto, "autopilot", "-")):
             t = [row["t"] / 60 for row in sim.timeline]
             ax.plot(t, [(row[shown] or math.nan) * 1000 for row in sim.timeline], style, label=f"{name}: {label}")
-        if metric == "itl_p90":
+        if metric in ("itl_p90", "tpot_p90"):
             t = [row["t"] / 60 for row in auto.timeline]
             ax.plot(t, [(row["itl_step_p90"] or math.nan) * 1000 for row in auto.timeline], ":", label="autopilot: "
                     "vLLM ITL metric p90 (per step)")  # fmt: skip
@@ -753,7 +757,7 @@ def plot(results: list[tuple[dict[str, Any], Simulation, Simulation]], out: Path
             ax.annotate(action["action"], (action["t"] / 60, ax.get_ylim()[1] * 0.9), fontsize=7, rotation=90,
                         va="top", ha="right")  # fmt: skip
         ax.set_ylabel("ms")
-        if metric != "itl_p90":
+        if metric not in ("itl_p90", "tpot_p90"):
             ax.set_yscale("log")  # TTFT spans queueing of minutes and sub-second prefills
         else:
             ax.set_ylim(bottom=0)
@@ -769,7 +773,11 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
     parser.add_argument("--workload", action="append", choices=[w.name for w in WORKLOADS])
-    parser.add_argument("--itl-view", choices=("step", "tpot"), default="step")
+    parser.add_argument(
+        "--no-tpot",
+        action="store_true",
+        help="leave vllm:request_time_per_output_token_seconds out of the telemetry (the autopilot falls back to ITL)",
+    )
     parser.add_argument("--duration", type=float, default=None)
     parser.add_argument(
         "--policy", default="{}", help="AutopilotPolicy fields as JSON (as SPLITSERVE_AUTOPILOT_POLICY in the operator)"
@@ -797,7 +805,7 @@ def main() -> int:
     tag = f"_{args.tag}" if args.tag else ""
     results = []
     for w in chosen:
-        doc, fixed, auto = report(w, args.itl_view, policy)
+        doc, fixed, auto = report(w, not args.no_tpot, policy)
         print(json.dumps({k: doc[k] for k in ("workload", "actions", "after_first_change", "gpu_hours")}), flush=True)
         results.append((doc, fixed, auto))
         (out / f"autopilot_{w.name}{tag}.json").write_text(

@@ -34,11 +34,12 @@ def autopilot_sim() -> ModuleType:
 def test_speculative_decoding_turned_on_cuts_time_per_token(autopilot_sim: ModuleType) -> None:
     chat = next(w for w in autopilot_sim.WORKLOADS if w.name == "low-load-chat")
     short = dataclasses.replace(chat, duration_s=900.0)
-    policy = AutopilotPolicy(window_s=120, min_interval_s=600, evaluation_s=300)
-    document, fixed, auto = autopilot_sim.report(short, "step", policy)
+    policy = AutopilotPolicy(window_s=120, min_interval_s=600, settle_s=120, evaluation_s=300)
+    document, fixed, auto = autopilot_sim.report(short, True, policy)
 
     actions = document["actions"]
     assert [a["action"] for a in actions] == ["turn speculative decoding on (ngram)"], actions
+    assert actions[0]["target_metric"] == "tpot_p90"  # the simulated engines export TPOT, as vLLM does
     assert 120 <= actions[0]["t"] <= 300
     assert any(e.speculative for e in auto.engines) and not any(e.speculative for e in fixed.engines)
     # Spec decoding yields ~2.2 tokens per step: over the last telemetry window (all after the switch) the
