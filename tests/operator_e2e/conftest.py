@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 import sys
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
+from typing import Any
 
 import pytest
 import yaml
@@ -18,17 +21,18 @@ NAMESPACE = "serving"
 
 
 class OperatorProcess:
-    def __init__(self, emulator: EmulatorProcess, workdir: Path) -> None:
+    def __init__(self, emulator: EmulatorProcess, workdir: Path, env: Mapping[str, str] | None = None) -> None:
         self.emulator = emulator
         self.log_path = workdir / "operator.log"
+        # A fast diagnosis timer by default, so status.diagnosis shows up within a test's patience.
+        self.env = {"SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3", **(env or {})}
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
                 [sys.executable, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
-                # A fast diagnosis timer so status.diagnosis shows up within the test's patience.
-                env={**self.emulator.env(), "SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3"},
+                env={**self.emulator.env(), **self.env},
                 stdout=log,
                 stderr=subprocess.STDOUT,
             )
@@ -48,6 +52,18 @@ class OperatorProcess:
 
     def log(self) -> str:
         return self.log_path.read_text(errors="replace")
+
+
+async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0, every_s: float = 0.5) -> Any:
+    """Poll `check` until it returns something truthy (returned), or time out saying what was awaited."""
+    deadline = time.monotonic() + limit_s
+    last = None
+    while time.monotonic() < deadline:
+        last = check()
+        if last:
+            return last
+        await asyncio.sleep(every_s)
+    raise TimeoutError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def install_crd(client: EmulatorClient) -> None:

@@ -12,10 +12,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import subprocess
 import sys
-import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,7 +22,7 @@ import pytest
 
 from tests.emulator.client import EmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
-from tests.operator_e2e.conftest import NAMESPACE, install_crd
+from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess, eventually, install_crd
 from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
@@ -49,36 +47,6 @@ AUTOPILOT_ENV = {
 SPECULATIVE_ON = {"engine": {"speculativeDecoding": {"method": "ngram"}}}
 
 
-class AutopilotOperator:
-    """`splitserve operator` with the autopilot's knobs shrunk to seconds."""
-
-    def __init__(self, emulator: EmulatorProcess, workdir: Path) -> None:
-        self.emulator = emulator
-        self.log_path = workdir / "operator.log"
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [sys.executable, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
-                env={**self.emulator.env(), **AUTOPILOT_ENV},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
 @pytest.fixture(scope="module")
 def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
     workdir = tmp_path_factory.mktemp("autopilot")
@@ -86,7 +54,7 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProces
     emulator.start()
     with emulator.client() as api:
         install_crd(api)
-    operator = AutopilotOperator(emulator, workdir)
+    operator = OperatorProcess(emulator, workdir, env=AUTOPILOT_ENV)
     operator.start()
     try:
         yield emulator
@@ -180,17 +148,6 @@ async def telemetry(tmp_path: Path, name: str, load: Load) -> AsyncIterator[Tele
         with contextlib.suppress(asyncio.CancelledError):
             await feeder
         await exporter.stop()
-
-
-async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + limit_s
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        await asyncio.sleep(0.3)
-    raise TimeoutError(f"timed out waiting for {what} (last: {last!r})")
 
 
 def create(client: EmulatorClient, name: str, prometheus_url: str, **spec: Any) -> dict[str, Any]:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -14,7 +14,7 @@ import pytest
 
 from tests.emulator.client import EmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
-from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
+from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess, eventually
 from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
@@ -37,17 +37,6 @@ def router_text(prefill_queue: float, decode_queue: float) -> str:
         'splitserve_router_inflight_requests{pool="prefill"} 0\n'
         'splitserve_router_inflight_requests{pool="decode"} 0\n'
     )
-
-
-async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0) -> Any:
-    deadline = time.monotonic() + limit_s
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        await asyncio.sleep(0.5)
-    raise TimeoutError(f"timed out waiting for {what} (last: {last!r})")
 
 
 @pytest.fixture
