@@ -127,6 +127,17 @@ async def test_evaluate_holds_when_prometheus_is_down() -> None:
     assert "ConnectError" in result.condition.message
 
 
+async def test_evaluate_holds_on_a_bad_query_override_instead_of_raising() -> None:
+    # Validation rejects such a spec, but an object stored before that check (or written past it) must
+    # not fail every evaluation: the sizes hold and the condition names the user's mistake.
+    bad = spec(prometheusUrl="http://p", queries={"running": "sum(x{$wrkers})"})
+    async with FakeClient({"num_requests_running": 5, "timestamp(": 1.0}) as client:
+        result = await evaluate(bad, "ns", "d", {"prefill": 2, "decode": 3}, AutoscalerState(), 0.0, client)
+    assert result.desired == {"prefill": 2, "decode": 3}
+    assert (result.condition.status, result.condition.reason) == ("False", "InvalidQuery")
+    assert "wrkers" in result.condition.message
+
+
 async def test_status_keeps_the_last_ten_changes_newest_first() -> None:
     answers: dict[str, float | None] = {"num_requests_waiting": 0, "num_requests_running": 100, "timestamp(": 1.0}
     async with FakeClient(answers) as client:

@@ -78,6 +78,18 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "min must be <= max",
     ),
     (
+        "query override with a misspelt placeholder",
+        {"autoscaling": {"enabled": True, "queries": {"running": "sum(x{$wrkers})"}}},
+        "spec.autoscaling.queries",
+        "bad placeholder 'wrkers'",
+    ),
+    (
+        "query override for an unknown signal",
+        {"autoscaling": {"enabled": True, "queries": {"decode.bogus": "1"}}},
+        "spec.autoscaling.queries",
+        "unknown signal 'decode.bogus'",
+    ),
+    (
         "gpu utilization over 1",
         {"engine": {"gpuMemoryUtilization": 1.5}},
         "spec.engine.gpuMemoryUtilization",

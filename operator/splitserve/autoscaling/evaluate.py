@@ -15,7 +15,7 @@ from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import AutoscalingDecision, AutoscalingStatus
 from splitserve.autoscaling.decision import AutoscalerState, Decision, decide
 from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable
-from splitserve.autoscaling.signals import Pool, PoolSignals, read_signals
+from splitserve.autoscaling.signals import Pool, PoolSignals, QueryTemplateError, read_signals
 
 CONDITION_TYPE = "AutoscalingActive"
 
@@ -59,13 +59,16 @@ async def evaluate(
     signals: Mapping[Pool, PoolSignals | None]
     try:
         signals = await read_signals(client, spec, namespace, name)
-    except PrometheusUnavailable as exc:
+    except (PrometheusUnavailable, QueryTemplateError) as exc:
+        # Both hold the sizes; a bad override is the user's to fix (validation reports it too), so it
+        # gets its own reason instead of looking like an outage.
+        reason = "InvalidQuery" if isinstance(exc, QueryTemplateError) else "PrometheusUnavailable"
         decision = decide(spec, current, {}, state, now, ready=ready)
         return Evaluation(
             state=decision.state,
             desired=decision.desired,
             reasons=decision.reasons,
-            condition=ConditionValue("False", "PrometheusUnavailable", f"holding current sizes: {exc}"[:1024]),
+            condition=ConditionValue("False", reason, f"holding current sizes: {exc}"[:1024]),
             decision=decision,
             signals={},
         )

@@ -22,6 +22,7 @@ import yaml
 from splitserve.api.base import API_GROUP, API_VERSION, KIND
 from splitserve.api.crd import openapi_schema
 from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.autoscaling.signals import check_query_overrides
 
 API_VERSION_FULL = f"{API_GROUP}/{API_VERSION}"
 
@@ -152,7 +153,21 @@ def validate_object(obj: Any, *, old: Mapping[str, Any] | None = None, index: in
         return problems  # CEL rules assume a schema-valid object, as on a real API server
     defaulted = with_defaults(obj)
     old_defaulted = with_defaults(old) if old is not None else None
-    return _cel_problems(defaulted, old_defaulted, label)
+    problems = _cel_problems(defaulted, old_defaulted, label)
+    if problems:
+        return problems
+    return _operator_problems(defaulted, label)
+
+
+def _operator_problems(defaulted: dict[str, Any], label: str) -> list[Problem]:
+    """What the schema cannot express but the operator refuses (reported as InvalidSpec): PromQL
+    overrides with unknown signals or placeholders would otherwise fail every autoscaling evaluation."""
+    spec = InferenceDeploymentSpec.model_validate(defaulted["spec"])
+    prefix = "autoscaling.queries"
+    return [
+        Problem(label, "spec." + prefix, message.removeprefix(prefix).removeprefix(": "))
+        for message in check_query_overrides(spec.autoscaling)
+    ]
 
 
 def load_documents(text: str) -> list[Any]:
