@@ -139,7 +139,8 @@ WORKLOADS: tuple[Workload, ...] = (
         "from minute 5 the prompts grow to ~3200 tokens (RAG), same rate and answers: one prefill engine is just "
         "short, prompts queue and TTFT grows; more prefill replicas (the prefill:decode ratio) should cut it. "
         "Speculative decoding is vetoed here (optimization.veto) so the ratio is the only lever; without the veto "
-        "the autopilot turns speculative decoding on first (the decode pool, starved by prefill, runs at batch < 8).",
+        "the decode pool, starved by prefill, runs at batch < 8 and only the prefill-bound guard keeps the autopilot "
+        "from turning speculative decoding on first.",
         base_spec(
             ttft_slo=10.0,
             itl_slo=0.25,
@@ -782,6 +783,11 @@ def main() -> int:
     parser.add_argument(
         "--policy", default="{}", help="AutopilotPolicy fields as JSON (as SPLITSERVE_AUTOPILOT_POLICY in the operator)"
     )
+    parser.add_argument(
+        "--speculative",
+        default="{}",
+        help="SpeculativeModel fields (JSON) for every workload, e.g. '{\"draft_step_fraction\": 0.1}': a draft model",
+    )
     parser.add_argument("--tag", default="", help="suffix for the result files of a variant run")
     parser.add_argument("--no-veto", action="store_true", help="drop optimization.veto from the workloads' specs")
     parser.add_argument("--table", action="store_true", help="only write autopilot_table.md from the summary files")
@@ -800,6 +806,9 @@ def main() -> int:
     chosen = [w for w in WORKLOADS if not args.workload or w.name in args.workload]
     if args.duration:
         chosen = [dataclasses.replace(w, duration_s=args.duration) for w in chosen]
+    speculative = json.loads(args.speculative)
+    if speculative:
+        chosen = [dataclasses.replace(w, speculative=dataclasses.replace(w.speculative, **speculative)) for w in chosen]
     if args.no_veto:
         chosen = [dataclasses.replace(w, spec=merge_patch(w.spec, {"optimization": {"veto": None}})) for w in chosen]
     tag = f"_{args.tag}" if args.tag else ""
