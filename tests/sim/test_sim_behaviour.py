@@ -8,6 +8,7 @@ import json
 import time
 
 import aiohttp
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import fast_config, plain_values, post, sample
 
@@ -33,6 +34,7 @@ EXPECTED_TYPES = {
     "vllm:request_queue_time_seconds": "histogram",
     "vllm:request_prefill_time_seconds": "histogram",
     "vllm:request_decode_time_seconds": "histogram",
+    "vllm:request_time_per_output_token_seconds": "histogram",
     "vllm:request_inference_time_seconds": "histogram",
     "vllm:request_prompt_tokens": "histogram",
     "vllm:request_generation_tokens": "histogram",
@@ -61,6 +63,10 @@ async def test_metrics_have_vllm_names_types_and_labels(http: aiohttp.ClientSess
     assert sample(text, "vllm:time_to_first_token_seconds_count") == 1
     assert sample(text, "vllm:inter_token_latency_seconds_count") == 4
     assert sample(text, "vllm:e2e_request_latency_seconds_count") == 1
+    # TPOT as vLLM v1 computes it: the decode phase over the tokens after the first.
+    assert sample(text, "vllm:request_time_per_output_token_seconds_count") == 1
+    decode_s = sample(text, "vllm:request_decode_time_seconds_sum")
+    assert sample(text, "vllm:request_time_per_output_token_seconds_sum") == pytest.approx(decode_s / 4)
     assert sample(text, "vllm:request_success_total", finished_reason="length") == 1
     assert sample(text, "vllm:request_generation_tokens_sum") == 5
     assert sample(text, "vllm:cache_config_info", block_size="128", num_gpu_blocks="512") == 1

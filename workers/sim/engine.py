@@ -367,6 +367,10 @@ class SimEngine:
         first_token = request.first_token or now
         self.metrics.request_prefill_time.observe(first_token - (request.scheduled or request.arrival))
         self.metrics.request_decode_time.observe(now - first_token)
+        generated = len(request.seq.output)
+        self.metrics.request_time_per_output_token.observe(
+            (now - first_token) / (generated - 1) if generated > 1 else 0.0
+        )
         self.metrics.request_inference_time.observe(now - (request.scheduled or request.arrival))
         self.metrics.request_prompt_tokens.observe(request.seq.num_prompt_tokens)
         self.metrics.request_generation_tokens.observe(len(request.seq.output))

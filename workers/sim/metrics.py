@@ -134,6 +134,13 @@ class SimMetrics:
         self.inter_token_latency = histogram(
             "vllm:inter_token_latency_seconds", "Histogram of inter-token latency in seconds.", ITL_BUCKETS
         )
+        # Per finished request: decode time / (generated tokens - 1), as vLLM v1 computes it. Unlike ITL
+        # (one sample per step), it shows what a multi-token step (speculative decoding) gains.
+        self.request_time_per_output_token = histogram(
+            "vllm:request_time_per_output_token_seconds",
+            "Histogram of time_per_output_token_seconds per request.",
+            ITL_BUCKETS,
+        )
         self.e2e_request_latency = histogram(
             "vllm:e2e_request_latency_seconds",
             "Histogram of e2e request latency in seconds.",
