@@ -45,6 +45,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode  # noqa: E402
+from splitserve.controller.effective import merge_patch  # noqa: E402  (what the operator applies)
 from splitserve.diagnosis.autopilot import (  # noqa: E402
     Action,
     AppliedAction,
@@ -453,19 +454,6 @@ class Simulation:
             }
         )
         self._reconfigure()
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = merge_patch(out.get(key), value)
-    return out
 
 
 def release_prefill(request: Request) -> None:

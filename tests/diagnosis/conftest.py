@@ -11,6 +11,7 @@ import pytest
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.autoscaling.prometheus import PrometheusUnavailable
+from splitserve.controller.effective import merge_patch
 from splitserve.diagnosis.findings import DiagnosisInput
 from splitserve.diagnosis.gpus import GpuChoice, choose_gpu
 from splitserve.diagnosis.model_facts import ModelFacts, model_facts
@@ -145,19 +146,6 @@ def fake_prometheus() -> Callable[..., FakePrometheus]:
     return FakePrometheus
 
 
-def apply_merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch: objects merge recursively, null deletes, anything else replaces."""
-    if not isinstance(patch, Mapping):
-        return patch
-    out = dict(target) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            out.pop(key, None)
-        else:
-            out[key] = apply_merge_patch(out.get(key), value)
-    return out
-
-
 def patched(spec: InferenceDeploymentSpec, patch: Mapping[str, Any] | None) -> InferenceDeploymentSpec:
     """The spec after a recommendation's patch, validated again (a patch must keep the spec valid)."""
-    return InferenceDeploymentSpec.model_validate(apply_merge_patch(spec.to_wire(), patch or {}))
+    return InferenceDeploymentSpec.model_validate(merge_patch(spec.to_wire(), patch or {}))
