@@ -180,6 +180,11 @@ class LoadStepRig:
         signals = (await self.autoscaling()).get("signals") or {}
         return "prefill.waiting" in signals and "decode.running" in signals
 
+    async def no_prompts_left(self) -> bool:
+        signals = (await self.autoscaling()).get("signals") or {}
+        prompts = [signals.get(f"prefill.{name}") for name in ("routerQueue", "waiting", "running")]
+        return all(value == 0.0 for value in prompts)
+
     async def _delete_deployment(self) -> None:
         with contextlib.suppress(ApiError, httpx.HTTPError):
             await self.api.delete(*IDEP, NAME, namespace=NAMESPACE)
@@ -363,13 +368,16 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
         await eventually(
             as_async(lambda: len(router.prefill.workers) >= 2), "the router uses the new prefill workers", 30, 0.1
         )
+    # Sync point: the autoscaler has seen the prompts answered (a decision made under load has landed).
+    await eventually(rig.no_prompts_left, "an autoscaling decision that sees no prompts left", 30, 0.2)
     phase1_done = time.monotonic()
     prefill_after_1 = await rig.replicas("prefill")
     assert prefill_after_1 is not None and prefill_after_1 >= 2
     assert rig.max_seen("decode") == 1, f"decode moved under a prompt-heavy load: {rig.seen}"
     assert phase1.failed == [] and phase1.ok > 0, phase1.failed[:5]
-    prefill_events = await eventually(lambda: rig.scaled_events("prefill"), "a Scaled event for prefill", 10)
-    assert "prompts=" in prefill_events[0] and "1→" in prefill_events[0], prefill_events
+    prefill_events = await rig.scaled_events("prefill")
+    first_up = [m for m in prefill_events if m.startswith("autoscaler: prefill 1→")]
+    assert len(first_up) == 1 and "prompts=" in first_up[0], prefill_events
     assert not await rig.scaled_events("decode")
 
     # 2. Output-heavy: short prompts (under the disaggregation threshold: decode alone), long outputs.
@@ -381,15 +389,16 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
             as_async(lambda: len(router.decode.workers) >= 2), "the router uses the new decode workers", 30, 0.1
         )
     decode_events = await eventually(lambda: rig.scaled_events("decode"), "a Scaled event for decode", 10)
-    assert decode_events[0].startswith("autoscaler: decode 1→"), decode_events
-    assert "waiting=" in decode_events[0] and "running+waiting=" in decode_events[0], decode_events
+    first_up = [m for m in decode_events if m.startswith("autoscaler: decode 1→")]
+    assert len(first_up) == 1 and "running+waiting=" in first_up[0], decode_events
     assert phase2.failed == [] and phase2.ok > 0, phase2.failed[:5]
     assert rig.max_seen("prefill", since=phase1_done) == prefill_after_1, f"prefill grew in phase 2: {rig.seen}"
     assert len(await rig.scaled_events("prefill")) == len(prefill_events), await rig.scaled_events("prefill")
 
-    # status.autoscaling records both decisions, each with its own pool's signal.
+    # status.autoscaling records both decisions, each with its own pool's signal. Newest first, so the
+    # last one kept per pool is its first scale-up (decode may take two steps while its queue builds).
     decisions = (await rig.autoscaling())["lastDecisions"]
-    ups = {d["pool"]: d for d in reversed(decisions) if d["toReplicas"] > d["fromReplicas"]}
+    ups = {d["pool"]: d for d in decisions if d["toReplicas"] > d["fromReplicas"]}
     assert set(ups) == {"prefill", "decode"}, decisions
     assert ups["prefill"]["fromReplicas"] == 1 and "prompts=" in ups["prefill"]["reason"], ups["prefill"]
     assert ups["decode"]["fromReplicas"] == 1 and "running+waiting=" in ups["decode"]["reason"], ups["decode"]
