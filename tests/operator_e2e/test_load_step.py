@@ -7,10 +7,13 @@ for more replicas (the test plays kubelet and the endpoints controller). Both po
 
 1. A prompt-heavy load (long prompts, max_tokens 1, 16 concurrent clients) piles prompts up on the
    prefill worker: the operator scales prefill up on its `prompts` signal while decode stays at 1.
-2. Then an output-heavy load (short prompts that skip prefill under the router's disaggregation
-   threshold, long streamed outputs, 24 concurrent streams) on a decode engine that runs at most 4
-   sequences: requests wait, and the operator scales decode up on running+waiting while prefill does
-   not grow (its scale-down window is longer than the test, so phase 1's growth is still visible).
+2. Then an output-heavy load (short prompts, long streamed outputs, 24 concurrent streams) on a
+   decode engine that runs at most 4 sequences: requests wait, and the operator scales decode up on
+   running+waiting. Every request still goes through prefill (no disaggregation threshold), yet
+   prefill does not grow (its scale-down window is longer than the test, so phase 1's growth is
+   still visible).
+
+Every request of both phases must be answered in full, disaggregated (no fallback, no error).
 
 The engines run at real cpu-tiny speed (time_scale 1: a 1000-token prompt takes ~0.2 s of prefill,
 a 150-token output ~1.2 s) so that the load lasts across Prometheus scrapes. The latency SLOs are set
@@ -41,8 +44,15 @@ from splitserve.sim import SimConfig, SimWorker
 from tests.emulator.client import ApiError, AsyncEmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
 from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
-from tests.operator_e2e.test_scale_from_zero import IDEP, SLICES, as_async, endpoint_slice, eventually
-from tests.router.conftest import router_config, running_router, sim_config
+from tests.operator_e2e.test_scale_from_zero import (
+    IDEP,
+    SLICES,
+    SUCCESS_DISAGGREGATED,
+    as_async,
+    endpoint_slice,
+    eventually,
+)
+from tests.router.conftest import metric_value, router_config, running_router, sim_config
 from tests.support_prometheus import PrometheusServer, ScrapeTarget, free_port, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
@@ -57,7 +67,6 @@ PREFILL_PROMPTS_PER_REPLICA = 6
 # Decode: at most 4 sequences run per engine, so 24 streams leave ~20 waiting: saturated (> 2 per
 # replica), and running+waiting = 24 at 4/replica asks for 6, capped at maxReplicas.
 DECODE_MAX_NUM_SEQS = 4
-DISAGG_THRESHOLD_TOKENS = 256
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog " * 110  # ~1000 tokens for the sim's tokenizer
 SHORT_PROMPT = "Tell me a long story."
 OUTPUT_TOKENS = 150
@@ -126,7 +135,6 @@ class LoadStepRig:
             prefill_service=self.service("prefill"),
             decode_service=self.service("decode"),
             queue_timeout=120.0,
-            disagg_threshold_tokens=DISAGG_THRESHOLD_TOKENS,
         )
         self.router, self.router_url = await self._stack.enter_async_context(running_router(config, discovery))
         # Every replica's address is a target from the start, as a PodMonitor's selector is: down until it runs.
@@ -366,7 +374,10 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
         )
         # Keep the load on until the new prefill workers take traffic (and decode has had its chance to move).
         await eventually(
-            as_async(lambda: len(router.prefill.workers) >= 2), "the router uses the new prefill workers", 30, 0.1
+            as_async(lambda: served(rig.workers["prefill"][1:], "vllm:prompt_tokens_total") > 0),
+            "the new prefill workers served prompts",
+            30,
+            0.1,
         )
     # Sync point: the autoscaler has seen the prompts answered (a decision made under load has landed).
     await eventually(rig.no_prompts_left, "an autoscaling decision that sees no prompts left", 30, 0.2)
@@ -380,13 +391,16 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
     assert len(first_up) == 1 and "prompts=" in first_up[0], prefill_events
     assert not await rig.scaled_events("decode")
 
-    # 2. Output-heavy: short prompts (under the disaggregation threshold: decode alone), long outputs.
+    # 2. Output-heavy: short prompts, long outputs (still through prefill). Decode grows on its queue.
     async with closed_loop(rig.router_url, 24, output_heavy) as phase2:
         await eventually(
             as_async(lambda: len(rig.workers["decode"]) >= 2), "decode scaled up and its workers started", 60, 0.1
         )
         await eventually(
-            as_async(lambda: len(router.decode.workers) >= 2), "the router uses the new decode workers", 30, 0.1
+            as_async(lambda: served(rig.workers["decode"][1:], "vllm:generation_tokens_total") > 0),
+            "the new decode workers generated tokens",
+            30,
+            0.1,
         )
     decode_events = await eventually(lambda: rig.scaled_events("decode"), "a Scaled event for decode", 10)
     first_up = [m for m in decode_events if m.startswith("autoscaler: decode 1→")]
@@ -402,8 +416,18 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
     assert set(ups) == {"prefill", "decode"}, decisions
     assert ups["prefill"]["fromReplicas"] == 1 and "prompts=" in ups["prefill"]["reason"], ups["prefill"]
     assert ups["decode"]["fromReplicas"] == 1 and "running+waiting=" in ups["decode"]["reason"], ups["decode"]
-    # No traffic through the router fell back or failed.
+    # Every request was answered disaggregated: nothing fell back or failed.
+    answered = phase1.ok + phase2.ok
+    await eventually(
+        as_async(lambda: metric_value(router, "splitserve_router_requests_total", SUCCESS_DISAGGREGATED) == answered),
+        f"the router counted {answered} disaggregated successes",
+        5,
+    )
     assert metric_total(router, "splitserve_router_fallbacks_total") == 0
+
+
+def served(workers: list[SimWorker], counter: str) -> float:
+    return sum(worker.metric(counter) for worker in workers)
 
 
 def metric_total(router: Router, name: str) -> float:
