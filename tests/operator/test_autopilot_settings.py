@@ -17,17 +17,24 @@ def test_defaults_are_minutes_and_the_policy_is_read_from_json() -> None:
         {
             "SPLITSERVE_AUTOPILOT_INTERVAL_SECONDS": "2",
             "SPLITSERVE_AUTOPILOT_TELEMETRY_WINDOW": "30s",
-            "SPLITSERVE_AUTOPILOT_POLICY": '{"window_s": 10, "min_interval_s": 60, "evaluation_s": 20}',
+            "SPLITSERVE_AUTOPILOT_POLICY": '{"window_s": 10, "min_interval_s": 60, "evaluation_s": 20, "settle_s": 5}',
         }
     )
     assert (settings.interval_s, settings.telemetry_window) == (2.0, "30s")
-    assert (settings.policy.window_s, settings.policy.min_interval_s, settings.policy.evaluation_s) == (10, 60, 20)
+    policy = settings.policy
+    assert (policy.window_s, policy.min_interval_s, policy.evaluation_s, policy.settle_s) == (10, 60, 20, 5)
     # The sample window covers the evidence window and the evaluation after a change.
     assert settings.max_samples >= (10 + 60) / 2
 
 
 @pytest.mark.parametrize(
-    "policy", ['{"window_s": ', '{"no_such_knob": 1}', '{"evaluation_s": 100, "min_interval_s": 50}']
+    "policy",
+    [
+        '{"window_s": ',
+        '{"no_such_knob": 1}',
+        '{"evaluation_s": 100, "min_interval_s": 50}',
+        '{"evaluation_s": 300}',  # not past the default 420 s settle period
+    ],
 )
 def test_a_bad_policy_stops_the_operator_with_one_line(policy: str) -> None:
     result = subprocess.run(
