@@ -30,8 +30,7 @@ import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self
+from typing import Any
 
 import httpx
 import orjson
@@ -41,19 +40,12 @@ from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubernetesDiscovery, kubeconfig_access
 from splitserve.sim import SimConfig, SimWorker
-from tests.emulator.client import ApiError, AsyncEmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
 from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
-from tests.operator_e2e.test_scale_from_zero import (
-    IDEP,
-    SLICES,
-    SUCCESS_DISAGGREGATED,
-    as_async,
-    endpoint_slice,
-    eventually,
-)
+from tests.operator_e2e.rig import IDEP, EmulatedDeployment, as_async, eventually
+from tests.operator_e2e.test_scale_from_zero import SUCCESS_DISAGGREGATED
 from tests.router.conftest import metric_value, router_config, running_router, sim_config
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, free_port, requires_prometheus
+from tests.support_prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
 NAME = "loadstep"
@@ -87,36 +79,19 @@ class LoadResult:
     failed: list[str] = field(default_factory=list)
 
 
-class LoadStepRig:
+class LoadStepRig(EmulatedDeployment):
     """An InferenceDeployment (both pools 1..4, autoscaling every second), its router, Prometheus,
     and a kubelet that keeps one SimWorker per replica each Deployment asks for."""
 
     def __init__(self, emulator: EmulatorProcess, workdir: Path) -> None:
-        self.emulator = emulator
-        self.workdir = workdir
-        self.port = free_port()
-        self.api = AsyncEmulatorClient(emulator.url)
+        super().__init__(emulator, workdir, NAME)
         self.workers: dict[str, list[SimWorker]] = {"prefill": [], "decode": []}
         # Every replica count the kubelet saw, in order: (monotonic time, pool, replicas).
         self.seen: list[tuple[float, str, int]] = []
         self.router: Router | None = None
         self.router_url = ""
         self.prometheus: PrometheusServer | None = None
-        self._stack = contextlib.AsyncExitStack()
         self._kubelet: asyncio.Task[None] | None = None
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self._stack.aclose()
 
     def service(self, pool: str) -> str:
         return f"{NAME}-{pool}"
@@ -193,10 +168,6 @@ class LoadStepRig:
         prompts = [signals.get(f"prefill.{name}") for name in ("routerQueue", "waiting", "running")]
         return all(value == 0.0 for value in prompts)
 
-    async def _delete_deployment(self) -> None:
-        with contextlib.suppress(ApiError, httpx.HTTPError):
-            await self.api.delete(*IDEP, NAME, namespace=NAMESPACE)
-
     async def _stop_kubelet(self) -> None:
         if self._kubelet is not None:
             self._kubelet.cancel()
@@ -243,38 +214,11 @@ class LoadStepRig:
         if leaving:
             await self.publish(self.service(pool), ready)
 
-    async def publish(self, service: str, ready: list[str], terminating: list[str] | None = None) -> None:
-        body = endpoint_slice(service, self.port, ready, terminating or [])
-        try:
-            current = await self.api.get(*SLICES, f"{service}-slice", namespace=NAMESPACE)
-        except ApiError as error:
-            if error.status_code != 404:
-                raise
-            await self.api.create(*SLICES, body, namespace=NAMESPACE)
-            return
-        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        await self.api.request(
-            "PUT", f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices/{service}-slice", json=body
-        )
-
     # --- reading the cluster --------------------------------------------------------------------
 
-    async def replicas(self, pool: str) -> int | None:
-        try:
-            deployment = await self.api.get("apps/v1", "deployments", f"{NAME}-{pool}", namespace=NAMESPACE)
-        except ApiError as error:
-            if error.status_code == 404:
-                return None
-            raise
-        return int(deployment.get("spec", {}).get("replicas", 1))
-
-    async def replicas_equal(self, **expected: int) -> bool:
-        return all([await self.replicas(pool) == count for pool, count in expected.items()])
-
     async def autoscaling(self) -> dict[str, Any]:
-        body = await self.api.get(*IDEP, NAME, namespace=NAMESPACE)
-        status: dict[str, Any] = (body.get("status") or {}).get("autoscaling") or {}
-        return status
+        autoscaling: dict[str, Any] = (await self.status()).get("autoscaling") or {}
+        return autoscaling
 
     async def scaled_events(self, pool: str) -> list[str]:
         events = await self.api.list("v1", "events", namespace=NAMESPACE)

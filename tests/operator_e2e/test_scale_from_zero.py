@@ -28,11 +28,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
-from types import TracebackType
-from typing import Any, Self, TypeVar
+from typing import Any
 
 import httpx
 import orjson
@@ -42,66 +41,19 @@ from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubernetesDiscovery, kubeconfig_access
 from splitserve.sim import SimWorker
-from tests.emulator.client import ApiError, AsyncEmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
 from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
+from tests.operator_e2e.rig import IDEP, EmulatedDeployment, as_async, eventually
 from tests.router.conftest import TIME_SCALE, metric_value, router_config, running_router, sim_config
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, free_port, requires_prometheus
+from tests.support_prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
-IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
-SLICES = ("discovery.k8s.io/v1", "endpointslices")
 PREFILL_IP, DECODE_IP = "127.0.0.11", "127.0.0.21"
 PROMPT = "You are a helpful assistant. " * 20
 MAX_TOKENS = 16
-T = TypeVar("T")
 SUCCESS_DISAGGREGATED = {"outcome": "success", "mode": "disaggregated"}
 SUCCESS_FALLBACK = {"outcome": "success", "mode": "fallback"}
 KV_LOST_OR_PREFILL_FAILED = ("prefill_failed", "decode_kv_error", "prefill_no_kv_params")
-
-
-async def eventually(check: Callable[[], Awaitable[T]], what: str, limit_s: float = 60.0, every_s: float = 0.05) -> T:
-    """Poll an async check until it returns something truthy; that value is returned."""
-    deadline = time.monotonic() + limit_s
-    last: T | None = None
-    while time.monotonic() < deadline:
-        last = await check()
-        if last:
-            return last
-        await asyncio.sleep(every_s)
-    raise TimeoutError(f"timed out after {limit_s}s waiting for {what} (last: {last!r})")
-
-
-def as_async(check: Callable[[], T]) -> Callable[[], Awaitable[T]]:
-    """A plain check as the async one `eventually` polls."""
-
-    async def run() -> T:
-        return check()
-
-    return run
-
-
-def endpoint_slice(service: str, port: int, ready: list[str], terminating: Sequence[str] = ()) -> dict[str, Any]:
-    """The EndpointSlice the endpoints controller keeps for a worker Service."""
-    endpoints = [
-        {
-            "addresses": [ip],
-            "conditions": {"ready": ip not in terminating, "serving": True, "terminating": ip in terminating},
-        }
-        for ip in [*ready, *terminating]
-    ]
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-slice",
-            "namespace": NAMESPACE,
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    }
 
 
 @dataclass(frozen=True)
@@ -133,7 +85,7 @@ class RigSettings:
     prefill_min_replicas: int = 1
 
 
-class ScaleFromZeroRig:
+class ScaleFromZeroRig(EmulatedDeployment):
     """An InferenceDeployment with decode (and optionally prefill) at minReplicas 0, its router, workers and Prometheus.
 
     Needs a running emulator with the CRD installed and the operator watching NAMESPACE.
@@ -141,13 +93,10 @@ class ScaleFromZeroRig:
     """
 
     def __init__(self, emulator: EmulatorProcess, workdir: Path, settings: RigSettings | None = None) -> None:
-        self.emulator = emulator
         self.settings = settings or RigSettings()
-        self.workdir = workdir
-        self.port = free_port()
+        super().__init__(emulator, workdir, self.settings.name)
         self.prefill_service = f"{self.settings.name}-prefill"
         self.decode_service = f"{self.settings.name}-decode"
-        self.api = AsyncEmulatorClient(emulator.url)
         self.prefill = SimWorker(
             sim_config("prefill", host=PREFILL_IP, port=self.port, time_scale=self.settings.time_scale)
         )
@@ -156,22 +105,8 @@ class ScaleFromZeroRig:
         self.router: Router | None = None
         self.router_url = ""
         self.prometheus: PrometheusServer | None = None
-        self._stack = contextlib.AsyncExitStack()
 
     # --- setup ----------------------------------------------------------------------------
-
-    async def __aenter__(self) -> Self:
-        try:
-            await self._start()
-        except BaseException:
-            await self._stack.aclose()
-            raise
-        return self
-
-    async def __aexit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
-        await self._stack.aclose()
 
     async def _start(self) -> None:
         s = self.settings
@@ -257,35 +192,12 @@ class ScaleFromZeroRig:
             },
         }
 
-    async def _delete_deployment(self) -> None:
-        with contextlib.suppress(ApiError, httpx.HTTPError):
-            await self.api.delete(*IDEP, self.settings.name, namespace=NAMESPACE)
-
     async def _stop_decode(self) -> None:
         if self.decode is not None:
             await self.decode.stop()
             self.decode = None
 
     # --- reading the cluster ----------------------------------------------------------------
-
-    async def replicas(self, pool: str) -> int | None:
-        try:
-            deployment = await self.api.get(
-                "apps/v1", "deployments", f"{self.settings.name}-{pool}", namespace=NAMESPACE
-            )
-        except ApiError as error:
-            if error.status_code == 404:
-                return None
-            raise
-        return int(deployment.get("spec", {}).get("replicas", 1))
-
-    async def replicas_equal(self, **expected: int) -> bool:
-        return all([await self.replicas(pool) == count for pool, count in expected.items()])
-
-    async def status(self) -> dict[str, Any]:
-        body = await self.api.get(*IDEP, self.settings.name, namespace=NAMESPACE)
-        status: dict[str, Any] = body.get("status") or {}
-        return status
 
     async def autoscaler_sees_zero_queue(self) -> bool:
         signals = ((await self.status()).get("autoscaling") or {}).get("signals") or {}
@@ -295,20 +207,6 @@ class ScaleFromZeroRig:
         events = await self.api.list("v1", "events", namespace=NAMESPACE)
         name = self.settings.name
         return [e for e in events if (e.get("involvedObject") or e.get("regarding") or {}).get("name") == name]
-
-    async def publish(self, service: str, ready: list[str], terminating: Sequence[str] = ()) -> None:
-        body = endpoint_slice(service, self.port, ready, terminating)
-        try:
-            current = await self.api.get(*SLICES, f"{service}-slice", namespace=NAMESPACE)
-        except ApiError as error:
-            if error.status_code != 404:
-                raise
-            await self.api.create(*SLICES, body, namespace=NAMESPACE)
-            return
-        body["metadata"]["resourceVersion"] = current["metadata"]["resourceVersion"]
-        await self.api.request(
-            "PUT", f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices/{service}-slice", json=body
-        )
 
     # --- playing kubelet ----------------------------------------------------------------------
 
