@@ -21,6 +21,7 @@ import httpx
 from tests.emulator.client import ApiError, AsyncEmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
 from tests.operator_e2e.conftest import NAMESPACE
+from tests.router.test_scale_down import endpoint_slice as slice_with_addresses
 from tests.support_prometheus import free_port
 
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
@@ -50,26 +51,10 @@ def as_async(check: Callable[[], T]) -> Callable[[], Awaitable[T]]:
 
 
 def endpoint_slice(service: str, port: int, ready: list[str], terminating: Sequence[str] = ()) -> dict[str, Any]:
-    """The EndpointSlice the endpoints controller keeps for a worker Service."""
-    endpoints = [
-        {
-            "addresses": [ip],
-            "conditions": {"ready": ip not in terminating, "serving": True, "terminating": ip in terminating},
-        }
-        for ip in [*ready, *terminating]
-    ]
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-slice",
-            "namespace": NAMESPACE,
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": endpoints,
-    }
+    """The EndpointSlice the endpoints controller keeps for a worker Service (the router tests' builder,
+    taking the ready and the terminating addresses apart)."""
+    addresses = {**dict.fromkeys(ready, False), **dict.fromkeys(terminating, True)}
+    return slice_with_addresses(service, addresses, port)
 
 
 class EmulatedDeployment:
