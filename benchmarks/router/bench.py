@@ -35,15 +35,11 @@ from pathlib import Path
 
 import aiohttp
 
+from splitserve.local.ports import free_port
+
 HERE = Path(__file__).resolve().parent
 CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LOG_DIR = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/splitserve-router-bench"))
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def cpu_seconds(pid: int) -> float:

@@ -15,9 +15,10 @@ from splitserve.autoscaling.evaluate import evaluate
 from splitserve.autoscaling.keda import autoscaler_objects
 from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable
 from splitserve.autoscaling.signals import read_signals
+from splitserve.local.ports import free_port
 from splitserve.sim.config import SimConfig
 from splitserve.sim.server import SimWorker
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, free_port, requires_prometheus
+from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.slow]
 
@@ -115,7 +116,8 @@ async def test_read_signals_from_sim_workers_and_router(
             assert idle["decode"].kv_cache_usage == 0
             assert idle["decode"].router_queue == 5 and idle["decode"].router_inflight == 7
             assert idle["prefill"].router_queue == 6 and idle["prefill"].waiting == 0
-            assert idle["prefill"].sample_age_seconds is not None and idle["prefill"].sample_age_seconds < 5
+            # Scraped every second; the slack is for a busy CI machine.
+            assert idle["prefill"].sample_age_seconds is not None and idle["prefill"].sample_age_seconds < 15
             assert idle["decode"].ttft_p90 is None  # no requests yet: the rate is 0/0
 
             async with httpx.AsyncClient(timeout=60) as http:

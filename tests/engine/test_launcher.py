@@ -31,6 +31,7 @@ from splitserve.engine.launcher import (
     wait_ready,
     with_option,
 )
+from splitserve.local.ports import free_port
 
 NIXL_DECODE = json.dumps({"kv_connector": "NixlConnector", "kv_role": "kv_consumer", "kv_buffer_device": "cpu"})
 
@@ -49,13 +50,6 @@ def busy_port() -> Iterator[int]:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         yield listener.getsockname()[1]
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 # --------------------------------------------------------------------------- argument lists

@@ -18,11 +18,11 @@ from typing import Any, Self, TypeVar
 
 import httpx
 
+from splitserve.local.ports import free_port
 from tests.emulator.client import ApiError, AsyncEmulatorClient
 from tests.emulator.fixtures import EmulatorProcess
 from tests.operator_e2e.conftest import NAMESPACE
 from tests.router.test_scale_down import endpoint_slice as slice_with_addresses
-from tests.support_prometheus import free_port
 
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
 SLICES = ("discovery.k8s.io/v1", "endpointslices")

@@ -16,12 +16,13 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from splitserve.local.ports import free_port
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubeAccess, KubernetesDiscovery
 from splitserve.sim import SimWorker
 from tests.emulator.server import running_emulator
 from tests.router.conftest import router_config, running_router, sim_config, wait_until
-from tests.router.test_scale_down import SLICES, endpoint_slice, free_port, one_request
+from tests.router.test_scale_down import SLICES, endpoint_slice, one_request
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "serving"

@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import socket
 from typing import Any
 
 import httpx
 import pytest
 
+from splitserve.local.ports import free_port
 from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubeAccess, KubernetesDiscovery
@@ -26,12 +26,6 @@ pytestmark = pytest.mark.slow
 NAMESPACE = "serving"
 PROMPT = "shared system prompt " * 60  # well over the disaggregation threshold
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def endpoint_slice(service: str, addresses: dict[str, bool], port: int) -> dict[str, Any]:

@@ -21,7 +21,6 @@ import math
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import time
 from collections.abc import Callable, Sequence
@@ -33,16 +32,12 @@ import pytest
 import yaml
 from aiohttp import web
 
+from splitserve.local.ports import free_port
+
 PROMETHEUS_BINARY = os.environ.get("SPLITSERVE_PROMETHEUS_BINARY", "prometheus")
 requires_prometheus = pytest.mark.skipif(
     shutil.which(PROMETHEUS_BINARY) is None, reason="needs the prometheus binary (apt-get install prometheus)"
 )
-
-
-def free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 @dataclass(frozen=True)

@@ -21,13 +21,13 @@ from typing import Any
 import httpx
 import pytest
 
+from splitserve.local.ports import free_port
 from tests.vllm.engines import (
     MODEL_NAME,
     SPEC_TEMPLATE,
     Engine,
-    free_port,
     splitserve_command,
-    start_engine,
+    start_ready_engine,
     stop_all,
 )
 
@@ -130,16 +130,20 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     spec_path = work / "deployment.yaml"
     spec_path.write_text(SPEC_TEMPLATE.format(name=MODEL_NAME, model=model_dir))
     started = time.monotonic()
-    engines = [
-        start_engine("prefill", "prefill", spec_path, model_dir, work, side_channel_port=free_port()),
-        start_engine("decode", "decode", spec_path, model_dir, work, side_channel_port=free_port()),
-        start_engine("aggregated", "aggregated", spec_path, model_dir, work),
-    ]
+    engines: list[Engine] = []
     router: subprocess.Popen[bytes] | None = None
     try:
-        with ThreadPoolExecutor(len(engines)) as pool:
-            for future in [pool.submit(engine.wait_ready, READY_TIMEOUT_SECONDS) for engine in engines]:
-                future.result()
+        with ThreadPoolExecutor(3) as pool:
+            futures = [
+                pool.submit(start_ready_engine, role, role, spec_path, model_dir, work, timeout=READY_TIMEOUT_SECONDS)
+                for role in ("prefill", "decode", "aggregated")
+            ]
+            # Collect every engine that started before raising, so the finally below stops them all.
+            errors = [future.exception() for future in futures]
+            engines = [future.result() for future in futures if future.exception() is None]
+            for error in errors:
+                if error is not None:
+                    raise error
         built = Cluster(engines[0], engines[1], engines[2], model_dir=model_dir, log_dir=work)
         built.startup_wall_seconds = time.monotonic() - started
         router = _start_router(built)

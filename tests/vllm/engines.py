@@ -10,7 +10,6 @@ import contextlib
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -21,9 +20,12 @@ from pathlib import Path
 import httpx
 
 from splitserve.engine.launcher import wait_ready
+from splitserve.local.ports import free_port
 
 MODEL_NAME = "tiny"
 STOP_GRACE_SECONDS = 20.0
+PORT_CLASH = "already in use"  # vLLM: "Address already in use"; our launcher: "port N is already in use"
+PORT_CLASH_CHECK_SECONDS = 5.0
 SPEC_TEMPLATE = """\
 apiVersion: splitserve.io/v1alpha1
 kind: InferenceDeployment
@@ -39,13 +41,6 @@ spec:
     connector: NixlConnector
     bufferDevice: cpu
 """
-
-
-def free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port: int = probe.getsockname()[1]
-        return port
 
 
 def splitserve_command(*args: str) -> list[str]:
@@ -112,6 +107,10 @@ def _alive(pids: Iterable[int]) -> list[int]:
 # --------------------------------------------------------------------------- one engine
 
 
+class PortClash(RuntimeError):
+    """An engine could not bind one of its ports: another process took it after we chose it."""
+
+
 @dataclass
 class Engine:
     name: str
@@ -134,11 +133,34 @@ class Engine:
         except OSError:
             return "(no log)"
 
-    def wait_ready(self, timeout: float) -> None:
+    def port_clash(self) -> bool:
+        """Whether a socket of the engine (its NIXL side channel, say) found its port taken."""
         try:
-            wait_ready(self.url, timeout, process=self.process)
-        except (TimeoutError, RuntimeError) as error:
-            raise RuntimeError(f"{self.name}: {error}\n--- log tail ---\n{self.log_tail()}") from error
+            return PORT_CLASH in self.log_path.read_text(errors="replace")
+        except OSError:
+            return False
+
+    def wait_ready(self, timeout: float) -> None:
+        """Wait for /health; raise PortClash at once when a socket could not bind.
+
+        vLLM's NIXL handshake listener is a thread: when its bind fails the engine neither exits
+        nor becomes ready, so without this check the wait would run to its timeout.
+        """
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                remaining = max(0.0, deadline - time.monotonic())
+                wait_ready(self.url, min(PORT_CLASH_CHECK_SECONDS, remaining), process=self.process)
+                break
+            except TimeoutError as error:
+                if self.port_clash():
+                    raise PortClash(f"{self.name}: a port was taken\n--- log tail ---\n{self.log_tail()}") from error
+                if time.monotonic() >= deadline:
+                    message = f"{self.name}: not ready after {timeout:.0f} s\n--- log tail ---\n{self.log_tail()}"
+                    raise RuntimeError(message) from error
+            except RuntimeError as error:
+                clash: type[RuntimeError] = PortClash if self.port_clash() else RuntimeError
+                raise clash(f"{self.name}: {error}\n--- log tail ---\n{self.log_tail()}") from error
         self.ready_seconds = time.monotonic() - self.started_at
         self.known_pids.update(process_tree(self.process.pid))
 
@@ -204,6 +226,32 @@ def start_engine(
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     return Engine(name, role, port, process, log_path, side_channel_port=side_channel_port)
+
+
+def start_ready_engine(
+    name: str, role: str, spec_path: Path, model_dir: Path, log_dir: Path, *, timeout: float, attempts: int = 3
+) -> Engine:
+    """Start an engine and wait until it is ready, on fresh ports again if one was taken meanwhile.
+
+    Ports are checked free when chosen, but vLLM binds its NIXL side channel some 20 s later; on a
+    busy CI machine another process can take one in between. A clash is not what the tests test,
+    so it costs a restart rather than the whole group. Any other failure is raised at once.
+    """
+    for attempt in range(1, attempts + 1):
+        side_channel_port = free_port() if role in ("prefill", "decode") else None
+        engine = start_engine(name, role, spec_path, model_dir, log_dir, side_channel_port=side_channel_port)
+        try:
+            engine.wait_ready(timeout)
+            return engine
+        except PortClash:
+            stop_all([engine])
+            if attempt == attempts:
+                raise
+            (log_dir / f"{name}.log").rename(log_dir / f"{name}.port-clash-{attempt}.log")
+        except BaseException:
+            stop_all([engine])
+            raise
+    raise AssertionError("unreachable")
 
 
 # --------------------------------------------------------------------------- metrics
