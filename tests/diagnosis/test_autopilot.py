@@ -219,6 +219,47 @@ def test_ratio_lower_need_reduces_prefill() -> None:
     assert action is not None and action.patch == {"prefill": {"replicas": 1}}
 
 
+AUTOSCALED = ServingState(
+    Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=2, autoscaled=True, ratio_bounds=(0.25, 1.0)
+)
+
+
+@pytest.mark.parametrize(
+    ("needed", "patch"),
+    [
+        (2.0, {"min": 0.25, "max": 3.0}),  # above max x band: the max moves to need x band
+        (0.1, {"min": 0.0667, "max": 1.0}),  # below min / band: the min moves to need / band
+        (1.2, None),  # above max but inside the band
+        (0.5, None),  # inside the bounds
+    ],
+)
+def test_with_an_autoscaler_the_ratio_lever_is_its_bounds(needed: float, patch: dict[str, float] | None) -> None:
+    action = run(AUTOSCALED, series(0, 1200, **{**CALM, "needed_ratio": needed}), 1200).action
+    if patch is None:
+        assert action is None
+        return
+    assert action is not None and action.kind == "ratio" and action.target_metric == "ttft_p90"
+    assert action.patch == {"autoscaling": {"prefillDecodeRatio": patch}}
+    assert action.undo_patch == {"autoscaling": {"prefillDecodeRatio": {"min": 0.25, "max": 1.0}}}
+    assert "prefill" not in action.patch  # the autoscaler owns the pool sizes
+
+
+def test_with_an_autoscaler_and_no_bounds_the_ratio_is_left_to_it() -> None:
+    unbounded = ServingState(Mode.DISAGGREGATED, "off", prefill_replicas=1, decode_replicas=2, autoscaled=True)
+    assert run(unbounded, series(0, 1200, **{**CALM, "needed_ratio": 5.0}), 1200).action is None
+    assert unbounded.highest_ratio is None and AUTOSCALED.highest_ratio == 1.0 and DISAGG_OFF.highest_ratio == 0.5
+
+
+def test_state_reads_the_bounds_only_of_the_builtin_autoscaler(make_spec: SpecFactory) -> None:
+    bounds = {"prefillDecodeRatio": {"min": 0.5, "max": 2.0}}
+    builtin = state_from_spec(make_spec({"autoscaling": {"enabled": True, **bounds}}))
+    assert builtin.autoscaled and builtin.ratio_bounds == (0.5, 2.0)
+    keda = state_from_spec(make_spec({"autoscaling": {"enabled": True, "backend": "keda", **bounds}}))
+    assert keda.autoscaled and keda.ratio_bounds is None
+    static = state_from_spec(make_spec({"autoscaling": {"enabled": False, **bounds}}))
+    assert not static.autoscaled and static.ratio_bounds is None
+
+
 def test_policy_rejects_settings_without_hysteresis_or_evaluation() -> None:
     with pytest.raises(ValueError, match="hysteresis"):
         AutopilotPolicy(speculative_on_below_batch=16, speculative_off_above_batch=16)

@@ -30,6 +30,10 @@ class ScriptedTelemetry:
     itl: float | None = 0.05
     ttft: float | None = 0.2
     prefill: float | None = 0.2
+    # Traffic as the router counts it (requests/s, prompt and output tokens/s); None: no router data.
+    requests: float | None = None
+    prompt_tokens: float | None = None
+    output_tokens: float | None = None
 
     async def query_scalar(self, promql: str) -> float | None:
         if promql == "vector(1)":
@@ -39,6 +43,9 @@ class ScriptedTelemetry:
             ("inter_token_latency", self.itl),
             ("time_to_first_token", self.ttft),
             ("request_prefill_time", self.prefill),
+            ("router_prompt_tokens_count", self.requests),
+            ("router_prompt_tokens_sum", self.prompt_tokens),
+            ("router_output_tokens_sum", self.output_tokens),
         ):
             if needle in promql:
                 return value
@@ -157,3 +164,41 @@ async def test_no_telemetry_means_no_change(world: World) -> None:
     observed = await status(world, "blind")
     assert observed.get("optimization", []) == [] and observed["autopilot"]["overrides"] == {}
     assert "speculative" not in " ".join(await args_of(world, "blind-aggregated"))
+
+
+async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_replicas(world: World) -> None:
+    await create(
+        world,
+        "auto",
+        model={"name": "m", "source": {"uri": "s3://m"}, "parameterCount": 8_000_000_000},
+        autoscaling={"enabled": True, "prefillDecodeRatio": {"min": 0.25, "max": 1.0}},
+        optimization={"dynamic": True},
+    )
+    before = {
+        pool: (await world.api.get("apps/v1", "deployments", f"auto-{pool}", namespace=NAMESPACE))["spec"]["replicas"]
+        for pool in ("prefill", "decode")
+    }
+    settings = AutopilotSettings()
+    samples = new_samples(settings)
+    # Long prompts, short answers: the traffic needs far more prefill than decode.
+    prompt_heavy = ScriptedTelemetry(batch=2.0, requests=20.0, prompt_tokens=160_000.0, output_tokens=200.0)
+    action = None
+    for minute in range(15):
+        decision = await optimize_once(
+            world.reconciler, NAMESPACE, "auto", prompt_heavy, samples, minute * MINUTE, settings
+        )
+        assert decision is not None
+        if decision.action is not None:
+            action = decision.action
+            break
+    assert action is not None and action.kind == "ratio", "no ratio change in 15 minutes"
+    overrides = (await status(world, "auto"))["autopilot"]["overrides"]
+    widened = overrides["autoscaling"]["prefillDecodeRatio"]["max"]
+    assert set(overrides) == {"autoscaling"} and widened > 1.5  # only the max moved, past the band
+    assert action.numbers["needed_ratio"] * 1.5 == pytest.approx(widened, rel=0.01)
+    after = {
+        pool: (await world.api.get("apps/v1", "deployments", f"auto-{pool}", namespace=NAMESPACE))["spec"]["replicas"]
+        for pool in ("prefill", "decode")
+    }
+    assert after == before  # pool sizes stay the autoscaler's
+    assert [reason for _, reason, _ in world.events].count("Optimized") == 1

@@ -73,6 +73,16 @@ def test_a_veto_drops_its_override_and_keeps_the_others() -> None:
     assert active_overrides(vetoed, overrides) == {"mode": "disaggregated"}
 
 
+def test_a_ratio_veto_drops_the_autoscaler_bounds_override_too() -> None:
+    widened = {"autoscaling": {"prefillDecodeRatio": {"min": 0.25, "max": 3.0}}}
+    autoscaled = {"autoscaling": {"enabled": True, "prefillDecodeRatio": {"min": 0.25, "max": 1.0}}}
+    served = effective_spec(spec(optimization={"dynamic": True}, **autoscaled), widened)
+    bounds = served.autoscaling.prefill_decode_ratio
+    assert bounds is not None and (bounds.min, bounds.max) == (0.25, 3.0)
+    vetoed = spec(optimization={"dynamic": True, "veto": ["ratio"]}, **autoscaled)
+    assert active_overrides(vetoed, {**widened, "mode": "disaggregated"}) == {"mode": "disaggregated"}
+
+
 def test_an_override_equal_to_the_spec_is_no_override() -> None:
     already = spec(optimization={"dynamic": True}, engine={"speculativeDecoding": {"method": "ngram"}})
     assert active_overrides(already, SPECULATIVE_ON) == {}

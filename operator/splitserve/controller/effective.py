@@ -17,10 +17,11 @@ from typing import Any
 from splitserve.api.spec import InferenceDeploymentSpec
 
 # Where each kind of change lands in the spec (merge patches only ever touch these paths).
-OVERRIDE_PATHS: dict[str, tuple[str, ...]] = {
-    "mode": ("mode",),
-    "speculativeDecoding": ("engine", "speculativeDecoding"),
-    "ratio": ("prefill", "replicas"),
+# The ratio is the prefill pool's size, or the autoscaler's bounds when an autoscaler owns the sizes.
+OVERRIDE_PATHS: dict[str, tuple[tuple[str, ...], ...]] = {
+    "mode": (("mode",),),
+    "speculativeDecoding": (("engine", "speculativeDecoding"),),
+    "ratio": (("prefill", "replicas"), ("autoscaling", "prefillDecodeRatio")),
 }
 
 
@@ -73,8 +74,7 @@ def without_vetoed(overrides: Mapping[str, Any], veto: Iterable[str]) -> dict[st
     """Overrides minus the paths of every vetoed kind."""
     result = dict(overrides)
     for kind in veto:
-        path = OVERRIDE_PATHS.get(kind)
-        if path is not None:
+        for path in OVERRIDE_PATHS.get(kind, ()):
             result = _without_path(result, path)
     return result
 

@@ -70,10 +70,21 @@ class ServingState:
     prefill_replicas: int
     decode_replicas: int
     speculative_method_when_on: str = "ngram"  # "draft" when the spec names a draft model
+    # An autoscaler owns the pool sizes: the spec's replicas are not what serves, so the ratio lever
+    # is the built-in autoscaler's prefill:decode bounds (None: no bounds, or a backend without them).
+    autoscaled: bool = False
+    ratio_bounds: tuple[float, float] | None = None
 
     @property
     def ratio(self) -> float:
         return self.prefill_replicas / max(1, self.decode_replicas)
+
+    @property
+    def highest_ratio(self) -> float | None:
+        """The most prefill per decode replica the pools can reach now (None: no limit)."""
+        if not self.autoscaled:
+            return self.ratio
+        return self.ratio_bounds[1] if self.ratio_bounds is not None else None
 
 
 @dataclass(frozen=True)
@@ -293,8 +304,11 @@ def prefill_bound(state: ServingState, window: Sequence[Sample], policy: Autopil
     if inflation is not None and inflation >= policy.disaggregate_above_inflation:
         return f"TTFT inflation {inflation:.3g} >= {policy.disaggregate_above_inflation:g}"
     needs = [s.needed_ratio for s in window if s.needed_ratio is not None]
-    if state.mode is Mode.DISAGGREGATED and needs and statistics.median(needs) > state.ratio * policy.ratio_band:
-        return f"needed prefill:decode {statistics.median(needs):.3g} > {state.ratio:.3g} x {policy.ratio_band:g}"
+    highest = state.highest_ratio
+    needed = statistics.median(needs) if needs else None
+    disaggregated = state.mode is Mode.DISAGGREGATED
+    if disaggregated and needed is not None and highest is not None and needed > highest * policy.ratio_band:
+        return f"needed prefill:decode {needed:.3g} > {highest:.3g} x {policy.ratio_band:g}"
     ttft = _mean([s.ttft_p90 for s in window])
     slos = [s.ttft_slo for s in window if s.ttft_slo is not None]
     if ttft is not None and slos and ttft > min(slos):
@@ -403,8 +417,10 @@ def _propose_ratio(state: ServingState, window: Sequence[Sample], policy: Autopi
     needs = [s.needed_ratio for s in window]
     if any(need is None or need <= 0 for need in needs):
         return None
-    current = state.ratio
     known = [need for need in needs if need is not None]
+    if state.autoscaled:
+        return _propose_ratio_bounds(state, window, known, policy)
+    current = state.ratio
     higher = all(need > current * policy.ratio_band for need in known)
     lower = all(need < current / policy.ratio_band for need in known)
     if not (higher or lower):
@@ -425,6 +441,42 @@ def _propose_ratio(state: ServingState, window: Sequence[Sample], policy: Autopi
     )
 
 
+def _propose_ratio_bounds(
+    state: ServingState, window: Sequence[Sample], needs: Sequence[float], policy: AutopilotPolicy
+) -> Action | None:
+    """With an autoscaler on, each pool already follows its own queue; only the ratio bounds can hold
+    the ratio away from what the traffic needs. Widen the bound that does, with the band as headroom.
+    """
+    if state.ratio_bounds is None:
+        return None
+    low, high = state.ratio_bounds
+    target = statistics.median(needs)
+    if all(need > high * policy.ratio_band for need in needs):
+        widened = (low, _round3(target * policy.ratio_band))
+    elif all(need < low / policy.ratio_band for need in needs):
+        widened = (_round3(target / policy.ratio_band), high)
+    else:
+        return None
+
+    def bounds(pair: tuple[float, float]) -> dict[str, Any]:
+        return {"autoscaling": {"prefillDecodeRatio": {"min": pair[0], "max": pair[1]}}}
+
+    return Action(
+        "ratio",
+        f"widen autoscaling.prefillDecodeRatio [{low:g}, {high:g}] -> [{widened[0]:g}, {widened[1]:g}]",
+        f"traffic needed prefill:decode {target:.2f}, outside the autoscaler's bounds, for {policy.window_s:.0f}s",
+        bounds(widened),
+        bounds((low, high)),
+        "ttft_p90",
+        _mean([s.ttft_p90 for s in window]),
+        {"needed_ratio": target, "bound_min": low, "bound_max": high},
+    )
+
+
+def _round3(value: float) -> float:
+    return float(f"{value:.3g}")
+
+
 _PROPOSALS: tuple[
     tuple[ActionKind, Callable[[ServingState, Sequence[Sample], AutopilotPolicy], Action | None]], ...
 ] = (
@@ -443,7 +495,18 @@ def state_from_spec(spec: InferenceDeploymentSpec) -> ServingState:
         prefill_replicas=spec.prefill.replicas,
         decode_replicas=spec.decode.replicas,
         speculative_method_when_on="draft" if speculative.draft_model else "ngram",
+        autoscaled=spec.autoscaling.enabled,
+        ratio_bounds=_builtin_ratio_bounds(spec),
     )
+
+
+def _builtin_ratio_bounds(spec: InferenceDeploymentSpec) -> tuple[float, float] | None:
+    """The bounds the built-in autoscaler enforces (KEDA and HPA scale each pool on its own)."""
+    autoscaling = spec.autoscaling
+    bounds = autoscaling.prefill_decode_ratio
+    if not autoscaling.enabled or autoscaling.backend != "builtin" or bounds is None:
+        return None
+    return bounds.min, bounds.max
 
 
 def sample_from_input(inp: DiagnosisInput, time: float) -> Sample:
