@@ -313,16 +313,8 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
 
     # 1. Prompt-heavy: long prompts, one output token. Prefill grows on its prompts; decode stays.
     async with closed_loop(rig.router_url, 16, prompt_heavy) as phase1:
-        await eventually(
-            as_async(lambda: len(rig.workers["prefill"]) >= 2), "prefill scaled up and its workers started", 60, 0.1
-        )
         # Keep the load on until the new prefill workers take traffic (and decode has had its chance to move).
-        await eventually(
-            as_async(lambda: served(rig.workers["prefill"][1:], "vllm:prompt_tokens_total") > 0),
-            "the new prefill workers served prompts",
-            30,
-            0.1,
-        )
+        await new_workers_serving(rig, "prefill", "vllm:prompt_tokens_total", "served prompts")
     # Sync point: the autoscaler has seen the prompts answered (a decision made under load has landed).
     await eventually(rig.no_prompts_left, "an autoscaling decision that sees no prompts left", 30, 0.2)
     phase1_done = time.monotonic()
@@ -337,15 +329,7 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
 
     # 2. Output-heavy: short prompts, long outputs (still through prefill). Decode grows on its queue.
     async with closed_loop(rig.router_url, 24, output_heavy) as phase2:
-        await eventually(
-            as_async(lambda: len(rig.workers["decode"]) >= 2), "decode scaled up and its workers started", 60, 0.1
-        )
-        await eventually(
-            as_async(lambda: served(rig.workers["decode"][1:], "vllm:generation_tokens_total") > 0),
-            "the new decode workers generated tokens",
-            30,
-            0.1,
-        )
+        await new_workers_serving(rig, "decode", "vllm:generation_tokens_total", "generated tokens")
     decode_events = await eventually(lambda: rig.scaled_events("decode"), "a Scaled event for decode", 10)
     first_up = [m for m in decode_events if m.startswith("autoscaler: decode 1→")]
     assert len(first_up) == 1 and "running+waiting=" in first_up[0], decode_events
@@ -368,6 +352,15 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
         5,
     )
     assert metric_total(router, "splitserve_router_fallbacks_total") == 0
+
+
+async def new_workers_serving(rig: LoadStepRig, pool: str, counter: str, what: str) -> None:
+    """Wait until `pool` has scaled past its first worker and the new workers' `counter` moved."""
+    started = f"{pool} scaled up and its workers started"
+    await eventually(as_async(lambda: len(rig.workers[pool]) >= 2), started, 60, 0.1)
+    await eventually(
+        as_async(lambda: served(rig.workers[pool][1:], counter) > 0), f"the new {pool} workers {what}", 30, 0.1
+    )
 
 
 def served(workers: list[SimWorker], counter: str) -> float:

@@ -247,7 +247,7 @@ def start_ready_engine(
             stop_all([engine])
             if attempt == attempts:
                 raise
-            (log_dir / f"{name}.log").rename(log_dir / f"{name}.port-clash-{attempt}.log")
+            engine.log_path.rename(engine.log_path.with_name(f"{name}.port-clash-{attempt}.log"))
         except BaseException:
             stop_all([engine])
             raise
