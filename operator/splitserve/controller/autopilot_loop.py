@@ -22,7 +22,14 @@ from pydantic import ValidationError
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import AutopilotStatus, InferenceDeploymentStatus, OptimizationEvent
-from splitserve.controller.effective import active_overrides, declared, effective_spec, merge_patch, minimal
+from splitserve.controller.effective import (
+    active_overrides,
+    declared,
+    effective_spec,
+    merge_patch,
+    minimal,
+    served_spec,
+)
 from splitserve.controller.reconcile import Reconciler, RetryLater, read_live
 from splitserve.diagnosis.autopilot import (
     Action,
@@ -135,10 +142,7 @@ async def optimize_once(
     status = InferenceDeploymentStatus.model_validate(body.get("status") or {})
     autopilot = status.autopilot or AutopilotStatus()
     overrides = active_overrides(written, autopilot.overrides)
-    try:
-        serving = effective_spec(written, overrides)
-    except ValidationError:
-        serving = written
+    serving = served_spec(written, overrides)
     # A gap (dynamic was off, the operator was busy) breaks "sustained": start the window again.
     if samples and now - samples[-1].time > 3 * settings.interval_s + 5:
         samples.clear()

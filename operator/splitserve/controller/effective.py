@@ -14,6 +14,8 @@ import copy
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+from pydantic import ValidationError
+
 from splitserve.api.spec import InferenceDeploymentSpec
 
 # Where each kind of change lands in the spec (merge patches only ever touch these paths).
@@ -130,3 +132,12 @@ def effective_spec(spec: InferenceDeploymentSpec, overrides: Mapping[str, Any]) 
     if not active:
         return spec
     return InferenceDeploymentSpec.model_validate(merge_patch(declared(spec), active))
+
+
+def served_spec(spec: InferenceDeploymentSpec, overrides: Mapping[str, Any]) -> InferenceDeploymentSpec:
+    """What the periodic loops act on: the effective spec, or the spec as written when the overrides
+    do not make a valid one (the reconciler then serves the written spec and says why)."""
+    try:
+        return effective_spec(spec, overrides)
+    except ValidationError:
+        return spec

@@ -9,15 +9,13 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from pydantic import ValidationError
-
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import Condition, InferenceDeploymentStatus
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.autoscaling.evaluate import evaluate, status_for
 from splitserve.autoscaling.prometheus import PrometheusClient
 from splitserve.builders.naming import pool_name, worker_roles
-from splitserve.controller.effective import effective_spec
+from splitserve.controller.effective import served_spec
 from splitserve.controller.reconcile import Reconciler, read_live, utc_now
 from splitserve.controller.rollup import merge_condition
 from splitserve.diagnosis.service import run_diagnosis
@@ -39,10 +37,7 @@ async def _spec_of(
     body, written = found
     # The spec being served: dynamic optimization may have switched the mode (other pools) or more.
     overrides = ((body.get("status") or {}).get("autopilot") or {}).get("overrides") or {}
-    try:
-        return body, effective_spec(written, overrides)
-    except ValidationError:
-        return body, written
+    return body, served_spec(written, overrides)
 
 
 async def autoscale_once(
