@@ -91,6 +91,11 @@ def test_images_run_as_the_non_root_user_the_chart_expects(image: str) -> None:
     values: dict[str, Any] = yaml.safe_load((CHART_DIR / "values.yaml").read_text())
     assert int(uid) == values["podSecurityContext"]["runAsUser"] != 0
     assert int(gid) == values["podSecurityContext"]["runAsGroup"]
+    # The router pods the operator creates run the operator image as its own user too.
+    if image == "operator":
+        from splitserve.builders.router import IMAGE_USER_ID
+
+        assert int(uid) == int(gid) == IMAGE_USER_ID
     # The user exists with the same ids (runAsNonRoot needs a numeric USER; tools need /etc/passwd).
     created = " ".join(rest for keyword, rest in stage if keyword == "RUN")
     assert f"--uid {uid}" in created and f"--gid {gid}" in created

@@ -17,6 +17,9 @@ from splitserve.builders.naming import (
 )
 
 ROUTER_CONTAINER_PORT = 8000
+# The router runs the operator image, whose non-root user has these ids (deploy/images/Dockerfile.operator;
+# a packaging test keeps the Dockerfile, the chart's securityContext and this one equal).
+IMAGE_USER_ID = 10001
 
 
 def router_args(target: Target) -> list[str]:
@@ -68,7 +71,8 @@ def build_router_deployment(target: Target) -> dict[str, Any]:
         "livenessProbe": probe | {"failureThreshold": 6},
         "securityContext": {
             "runAsNonRoot": True,
-            "runAsUser": 65532,
+            "runAsUser": IMAGE_USER_ID,
+            "runAsGroup": IMAGE_USER_ID,
             "readOnlyRootFilesystem": True,
             "allowPrivilegeEscalation": False,
             "capabilities": {"drop": ["ALL"]},
