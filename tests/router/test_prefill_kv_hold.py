@@ -2,10 +2,14 @@
 holds for in-flight requests (SimWorker.drain waits for `engine.num_held == 0`, as a vLLM prefill
 pod's preStop/drain must wait for its NIXL pulls).
 
-Decode is the bottleneck on purpose: it runs two sequences at a time and generates long answers,
-so prefilled requests queue inside decode before it pulls their KV (vLLM pulls when it schedules
-the request), and the prefill worker holds KV for many of them when its drain starts. The test runs
-the same drain twice:
+Decode is saturated on purpose, not left to timing. vLLM starts a KV pull only while its batch has
+a free slot (fewer than max_num_seqs running), and requests whose KV is being pulled take no slot,
+so an idle decode would pull a whole burst at once and the prefill worker would hold it for no more
+than a transfer. So the test first fills decode's two slots with two long answers, waits until both
+run, and only then sends the burst of short requests: each is prefilled and then waits in decode's
+queue while its KV stays held on prefill, until the long answers end (~2 s, some twenty times what
+the burst takes to get there; if they ever ended first the test would say so). The drain starts once
+every burst request is in that state. The test runs it twice:
 
 - hold ignored (the prefill engine pretends it holds nothing, so the drain stops it as soon as its
   own requests are answered): decode's pulls fail (`vllm:nixl_num_failed_transfers`) and the router
@@ -34,6 +38,9 @@ pytestmark = pytest.mark.slow
 PROMPT = "shared system prompt " * 60  # well over the disaggregation threshold
 MAX_TOKENS = 16
 REQUESTS = 24
+DECODE_SLOTS = 2
+# Long answers that keep every decode slot busy while the burst is prefilled and the drain starts.
+BUSY_TOKENS = 1500
 # KV held for this many requests when the drain starts: enough that losing it cannot go unnoticed.
 HELD_AT_DRAIN = 6
 
@@ -67,19 +74,18 @@ class DrainResult:
 def config(role: str) -> SimConfig:
     base = sim_config(role, time_scale=0.2)
     if role == "decode":
-        # Two sequences at a time: prefilled requests queue in decode, their KV held on prefill.
-        return dataclasses.replace(base, limits=dataclasses.replace(base.limits, max_num_seqs=2))
+        return dataclasses.replace(base, limits=dataclasses.replace(base.limits, max_num_seqs=DECODE_SLOTS))
     return base
 
 
-async def one_request(client: httpx.AsyncClient, index: int) -> str:
+async def one_request(client: httpx.AsyncClient, index: int, max_tokens: int = MAX_TOKENS) -> str:
     """'ok' for a full answer, else what went wrong."""
-    body = {"model": "sim-model", "prompt": f"{PROMPT} user {index}", "max_tokens": MAX_TOKENS}
+    body = {"model": "sim-model", "prompt": f"{PROMPT} user {index}", "max_tokens": max_tokens}
     try:
         response = await client.post("/v1/completions", json=body)
     except httpx.HTTPError as error:
         return f"request {index}: {type(error).__name__}: {error}"
-    if response.status_code != 200 or response.json()["usage"]["completion_tokens"] != MAX_TOKENS:
+    if response.status_code != 200 or response.json()["usage"]["completion_tokens"] != max_tokens:
         return f"request {index}: {response.status_code}: {response.text[:200]}"
     return "ok"
 
@@ -105,15 +111,23 @@ async def drain_prefill_while_it_holds_kv(*, honour_hold: bool) -> DrainResult:
             running_router(cfg) as (router, url),
             httpx.AsyncClient(base_url=url, timeout=120) as client,
         ):
+            busy = [asyncio.create_task(one_request(client, REQUESTS + i, BUSY_TOKENS)) for i in range(DECODE_SLOTS)]
+            await wait_until(lambda: decode.metric("vllm:num_requests_running") == DECODE_SLOTS, within=30)
             load = [asyncio.create_task(one_request(client, i)) for i in range(REQUESTS)]
-            assert leaving.engine is not None
-            engine = leaving.engine
-            await wait_until(lambda: held_kv(engine) >= HELD_AT_DRAIN, within=30)
+            assert leaving.engine is not None and staying.engine is not None
+            engine, other = leaving.engine, staying.engine
+
+            def burst_held() -> bool:
+                """Every request of the burst is prefilled and waits for a decode slot, its KV held."""
+                return held_kv(engine) + held_kv(other) == REQUESTS
+
+            await wait_until(lambda: burst_held() or any(task.done() for task in busy), within=30)
+            assert burst_held(), "decode pulled KV with its batch full, or the long answers ended first"
             held_at_drain = held_kv(engine)
             # Kubernetes: the endpoint turns terminating (no new prefills), then SIGTERM starts the drain.
             router.prefill.set_endpoints([staying.url], [leaving.url])
             drained = await leaving.drain(60)
-            answers = await asyncio.gather(*load)
+            answers = await asyncio.gather(*load, *busy)
             return DrainResult(
                 answers=list(answers),
                 drained=drained,
@@ -133,7 +147,7 @@ async def test_prefill_drain_that_ignores_held_kv_strands_decode_pulls() -> None
     assert result.failed_pulls > 0, "decode pulled KV from a prefill worker that was already gone"
     assert result.fallbacks > 0, "the router recomputed the stranded prompts on decode"
     # The router recovers every request by recomputing on decode: a cost, not a lost answer.
-    assert result.answers == ["ok"] * REQUESTS
+    assert result.answers == ["ok"] * (REQUESTS + DECODE_SLOTS)
 
 
 async def test_prefill_drain_waits_until_decode_pulled_the_kv_it_holds() -> None:
@@ -142,4 +156,4 @@ async def test_prefill_drain_waits_until_decode_pulled_the_kv_it_holds() -> None
     assert result.drained, "the prefill worker drained within its grace period"
     assert result.failed_pulls == 0, "every KV pull found its blocks"
     assert result.fallbacks == 0, "no prompt was recomputed on decode"
-    assert result.answers == ["ok"] * REQUESTS
+    assert result.answers == ["ok"] * (REQUESTS + DECODE_SLOTS)

@@ -12,6 +12,8 @@ import aiohttp
 from sim_helpers import PREFILL_PARAMS, fast_config, post, sample
 
 from splitserve.sim import KVLoadFailurePolicy, Role, SimWorker, generate_text, tokenize
+from splitserve.sim.engine import DoneEvent, EngineRequest, PullRequest, RemotePrefill, SimEngine, TokenEvent
+from splitserve.sim.scheduler import Sequence
 
 PROMPT = "Explain disaggregated prefill and decode in one paragraph, with an example."
 
@@ -209,3 +211,64 @@ async def test_streaming_prefill_puts_params_in_the_final_chunk(http: aiohttp.Cl
         params["remote_request_id"] = params.pop("request_id")
         status, _ = await decode(http, d, params)
         assert status == 200
+
+
+def engine_request(
+    name: str, max_tokens: int, *, remote_decode: bool = False, params: dict[str, Any] | None = None
+) -> EngineRequest:
+    """A request as the HTTP layer hands it to an engine; with ``params``, its KV is on a prefill engine."""
+    remote = RemotePrefill.parse(params) if params is not None else None
+    prompt = tokenize(f"{PROMPT} {name}")
+    seq = Sequence(name, prompt, max_tokens, remote_prefill=remote is not None, remote_decode=remote_decode)
+    return EngineRequest(seq=seq, remote_prefill=remote)
+
+
+async def done(request: EngineRequest) -> DoneEvent:
+    while not isinstance(event := await request.events.get(), DoneEvent):
+        assert isinstance(event, TokenEvent), event
+    return event
+
+
+async def test_a_full_decode_batch_leaves_the_kv_held_on_prefill_until_a_slot_frees() -> None:
+    # vLLM takes no request from its waiting queue while max_num_seqs run, not even to start its
+    # KV load, so a saturated decode engine leaves the KV on the prefill engine.
+    async def pull_from_prefill(remote: RemotePrefill, pull: PullRequest) -> None:
+        await prefill_engine.serve_pull(pull)
+
+    prefill_engine = SimEngine(fast_config(Role.PREFILL), "prefill", pull_from_prefill)
+    prefill_engine.side_channel_port = 8000  # only advertised: decode pulls in-process here
+    limits = dataclasses.replace(fast_config().limits, max_num_seqs=2)
+    decode_engine = SimEngine(fast_config(Role.DECODE, limits=limits), "decode", pull_from_prefill)
+    prefill_engine.start()
+    decode_engine.start()
+    try:
+        busy = [engine_request(f"busy{i}", 1500) for i in range(2)]
+        for request in busy:
+            decode_engine.submit(request)
+        for request in busy:
+            assert isinstance(await request.events.get(), TokenEvent)  # in the batch, for a long while
+        prefilled = [engine_request(f"remote{i}", 1, remote_decode=True) for i in range(4)]
+        for request in prefilled:
+            prefill_engine.submit(request)
+        params = [(await done(request)).kv_transfer_params for request in prefilled]
+        assert prefill_engine.num_held == 4
+        waiting = [engine_request(f"remote{i}", 3, params=p) for i, p in enumerate(params)]
+        for request in waiting:
+            decode_engine.submit(request)
+        # Tokens already queued came from earlier steps and the next one from the step under way;
+        # the one after it comes from a step scheduled after the submits.
+        while not busy[0].events.empty():
+            busy[0].events.get_nowait()
+        for _ in range(2):
+            assert isinstance(await busy[0].events.get(), TokenEvent)
+        assert decode_engine.scheduler.num_waiting_for_capacity == 4, "no pull starts while the batch is full"
+        assert decode_engine.scheduler.num_deferred == 0
+        assert prefill_engine.num_held == 4
+        for request in busy:
+            decode_engine.abort(request)
+        for request in waiting:
+            await done(request)
+        assert prefill_engine.num_held == 0
+    finally:
+        await decode_engine.stop()
+        await prefill_engine.stop()

@@ -133,6 +133,33 @@ def test_remote_prefill_pulls_then_needs_one_step_for_the_first_token() -> None:
     assert remote.phase is Phase.FINISHED and len(remote.output) == 3
 
 
+def test_a_full_batch_starts_no_kv_pull_and_a_free_slot_starts_every_waiting_one() -> None:
+    # vLLM's scheduler takes nothing from its waiting queues once max_num_seqs requests run, not
+    # even to start a KV load; a request loading KV is not in `running`, so one free slot lets it
+    # start every waiting pull, and the pulled requests join the batch only as slots allow.
+    scheduler = Scheduler(limits(max_num_seqs=2))
+    short, long = seq("short", 2, 2), seq("long", 2, 20)
+    remote = [seq(f"remote{i}", 9, 1, remote_prefill=True) for i in range(4)]
+    for s in (short, long, *remote):
+        scheduler.add(s)
+    for _ in range(2):  # the second step gives "short" its last token
+        plan = scheduler.schedule()
+        assert not plan.new_pulls and len(scheduler.running) == 2
+        scheduler.complete(plan)
+    # Not pulled: no blocks on this engine, so the KV is still held by the prefill engine.
+    assert all(r.phase is Phase.WAITING and not r.block_ids for r in remote)
+    assert scheduler.num_waiting_for_capacity == 4 and scheduler.num_deferred == 0
+    assert short.phase is Phase.FINISHED
+    plan = scheduler.schedule()
+    assert plan.new_pulls == remote and scheduler.num_deferred == 4
+    scheduler.complete(plan)
+    for r in remote:
+        scheduler.pull_done(r)
+    plan = scheduler.schedule()
+    assert plan.admitted == [remote[0]] and scheduler.running == [long, remote[0]]
+    assert scheduler.num_deferred == 3
+
+
 def test_remote_decode_keeps_blocks_after_finishing() -> None:
     scheduler = Scheduler(limits())
     held = seq("held", 9, 1, remote_decode=True)

@@ -59,7 +59,9 @@ aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
        "do_remote_decode": false, "remote_engine_id", "remote_block_ids", "remote_host", "remote_port",
        "tp_size": 1, "request_id"}``. Held blocks expire after ``kv_hold_timeout_s``
        (``vllm:nixl_num_kv_expired_reqs_total`` rises).
-    2. Decode request: the same prompt with those params. The decode worker reserves blocks, pulls
+    2. Decode request: the same prompt with those params. Once its batch has a free slot (fewer
+       than ``max_num_seqs`` running: like vLLM it starts no KV load while the batch is full, so a
+       saturated decode leaves the KV held on prefill), the decode worker reserves blocks, pulls
        the KV with ``POST http://remote_host:remote_port/internal/kv/pull`` {"engine_id", "block_ids",
        "request_id", "prompt_digest", "transfer_seconds"} (the prefill side waits out the transfer time,
        then frees the blocks), then decodes. Its text equals an aggregated worker's for that prompt.

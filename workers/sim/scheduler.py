@@ -8,7 +8,10 @@ free, the newest running sequence is preempted (its blocks freed, recomputed lat
 
 Requests that carry KV from a remote prefill are admitted into a separate "pulling" set while the
 engine fetches their blocks (vLLM's WAITING_FOR_REMOTE_KVS, reported as waiting reason "deferred"),
-then join the batch needing only their last prompt token computed.
+then join the batch needing only their last prompt token computed. As in vLLM, a pull starts only
+while the batch has a free slot (fewer than ``max_num_seqs`` running), and pulling sequences take
+no slot: a saturated decode engine leaves the KV held on the prefill engine, and the first free
+slot starts every waiting pull at once.
 """
 
 from __future__ import annotations
@@ -208,12 +211,18 @@ class Scheduler:
             result.finished.append(seq)
 
     def _admit(self, plan: StepPlan) -> None:
+        # As vLLM's Scheduler.schedule (v1/core/sched/scheduler.py): its waiting loop stops as soon
+        # as len(running) reaches max_num_seqs, before it looks at the next request, so a pull
+        # (blocks allocated, WAITING_FOR_REMOTE_KVS) starts only while the batch has a free slot
+        # and a full decode leaves the KV held on the prefill side. Requests whose KV arrived are
+        # taken first (its kv_holding_waiting queue). Pulling requests stay out of `running` and
+        # take no slot, so a free slot lets every waiting pull start in the same step.
         while self.ready and len(self.running) < self.limits.max_num_seqs:
             seq = self.ready.popleft()
             seq.phase = Phase.RUNNING
             self.running.append(seq)
             plan.admitted.append(seq)
-        while self.waiting:
+        while self.waiting and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
             if seq.remote_prefill and not seq.kv_pulled:
                 allocation = self.pool.allocate(seq.num_prompt_tokens)
@@ -225,8 +234,6 @@ class Scheduler:
                 self.pulling.add(seq)
                 plan.new_pulls.append(seq)
                 continue
-            if len(self.running) >= self.limits.max_num_seqs:
-                return
             # A preempted sequence recomputes its prompt and what it generated so far.
             target = seq.num_prompt_tokens + len(seq.output)
             allocation = self.pool.allocate(target, seq.hashes(self.limits.block_size))
