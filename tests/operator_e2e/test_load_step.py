@@ -13,6 +13,14 @@ for more replicas (the test plays kubelet and the endpoints controller). Both po
    prefill does not grow (its scale-down window is longer than the test, so phase 1's growth is
    still visible).
 
+What each pool must not do holds by construction, not by when Prometheus happens to scrape: a
+client has one request in flight, so no signal can count more requests than there are clients.
+Phase 1's prefill batches finish several prompts at once and they queue on decode for a moment
+(pulls count as waiting, as WAITING_FOR_REMOTE_KVS does in vLLM); decode's waiting target is the
+phase 1 client count, so that queue can never read as saturation. Phase 2 starts with all 24
+prompts on prefill at once; the prefill target puts 24 prompts exactly at the two replicas phase 1
+grows to (16 prompts need 2, and cannot ask for 3), so prefill cannot grow on them.
+
 Every request of both phases must be answered in full, disaggregated (no fallback, no error).
 
 The engines run at real cpu-tiny speed (time_scale 1: a 1000-token prompt takes ~0.2 s of prefill,
@@ -54,11 +62,17 @@ POOL_IPS = {
     "prefill": [f"127.0.0.{31 + i}" for i in range(MAX_REPLICAS)],
     "decode": [f"127.0.0.{41 + i}" for i in range(MAX_REPLICAS)],
 }
-# Prefill: prompts (router queue + waiting + running) over 6 per replica; 16 clients → ceil(16/6) = 3.
-PREFILL_PROMPTS_PER_REPLICA = 6
-# Decode: at most 4 sequences run per engine, so 24 streams leave ~20 waiting: saturated (> 2 per
-# replica), and running+waiting = 24 at 4/replica asks for 6, capped at maxReplicas.
+PROMPT_CLIENTS = 16
+STREAM_CLIENTS = 24
+PREFILL_AFTER_PHASE_1 = 2
+# Prefill: prompts (router queue + waiting + running) over 12 per replica. Phase 1's 16 clients ask
+# for ceil(16/12) = 2 replicas and never 3; phase 2's 24 fit those 2 at target, so they ask for no more.
+PREFILL_PROMPTS_PER_REPLICA = STREAM_CLIENTS // PREFILL_AFTER_PHASE_1
+# Decode: at most 4 sequences run per engine. Saturated above 16 waiting per replica: phase 1's 16
+# clients cannot queue more than that, phase 2's 24 streams leave ~20 waiting, and running+waiting
+# = 24 at 4/replica asks for 6, capped at maxReplicas.
 DECODE_MAX_NUM_SEQS = 4
+DECODE_WAITING_PER_REPLICA = PROMPT_CLIENTS
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog " * 110  # ~1000 tokens for the sim's tokenizer
 SHORT_PROMPT = "Tell me a long story."
 OUTPUT_TOKENS = 150
@@ -152,7 +166,7 @@ class LoadStepRig(EmulatedDeployment):
                     "prefill": {"waitingPerReplica": PREFILL_PROMPTS_PER_REPLICA, "ttftSloSeconds": 600},
                     "decode": {
                         "runningPerReplica": DECODE_MAX_NUM_SEQS,
-                        "waitingPerReplica": 2,
+                        "waitingPerReplica": DECODE_WAITING_PER_REPLICA,
                         "itlSloSeconds": 600,
                     },
                 },
@@ -312,14 +326,14 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
     assert await rig.replicas_equal(prefill=1, decode=1)
 
     # 1. Prompt-heavy: long prompts, one output token. Prefill grows on its prompts; decode stays.
-    async with closed_loop(rig.router_url, 16, prompt_heavy) as phase1:
+    async with closed_loop(rig.router_url, PROMPT_CLIENTS, prompt_heavy) as phase1:
         # Keep the load on until the new prefill workers take traffic (and decode has had its chance to move).
         await new_workers_serving(rig, "prefill", "vllm:prompt_tokens_total", "served prompts")
     # Sync point: the autoscaler has seen the prompts answered (a decision made under load has landed).
     await eventually(rig.no_prompts_left, "an autoscaling decision that sees no prompts left", 30, 0.2)
     phase1_done = time.monotonic()
     prefill_after_1 = await rig.replicas("prefill")
-    assert prefill_after_1 is not None and prefill_after_1 >= 2
+    assert prefill_after_1 == PREFILL_AFTER_PHASE_1, rig.seen
     assert rig.max_seen("decode") == 1, f"decode moved under a prompt-heavy load: {rig.seen}"
     assert phase1.failed == [] and phase1.ok > 0, phase1.failed[:5]
     prefill_events = await rig.scaled_events("prefill")
@@ -328,7 +342,7 @@ async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_dec
     assert not await rig.scaled_events("decode")
 
     # 2. Output-heavy: short prompts, long outputs (still through prefill). Decode grows on its queue.
-    async with closed_loop(rig.router_url, 24, output_heavy) as phase2:
+    async with closed_loop(rig.router_url, STREAM_CLIENTS, output_heavy) as phase2:
         await new_workers_serving(rig, "decode", "vllm:generation_tokens_total", "generated tokens")
     decode_events = await eventually(lambda: rig.scaled_events("decode"), "a Scaled event for decode", 10)
     first_up = [m for m in decode_events if m.startswith("autoscaler: decode 1→")]
