@@ -117,6 +117,15 @@ class Replay:
 
     repo_root: Path
     workdir: Path
+    build_stages: list[Stage]
+    build_args: dict[str, str]
+
+    @classmethod
+    def of(cls, dockerfile: Path, repo_root: Path, workdir: Path) -> Replay:
+        """A replay of `dockerfile` with its first stage's build context copied in."""
+        replay = cls(repo_root, workdir, stages(dockerfile), global_args(dockerfile))
+        replay.copy_context(replay.build_stages[0])
+        return replay
 
     @property
     def context(self) -> Path:
@@ -148,7 +157,6 @@ class Replay:
         self,
         stage: Stage,
         venv: Path,
-        build_args: dict[str, str],
         *,
         hermetic: bool = False,
         timeout: float = 900,
@@ -159,7 +167,7 @@ class Replay:
         in /wheels); otherwise this machine's pip configuration stands in for the builder's network.
         """
         env = {key: value for key, value in os.environ.items() if key not in {"PYTHONPATH", "VIRTUAL_ENV"}}
-        env.update(build_args)
+        env.update(self.build_args)
         env.update(stage.env())
         env["HOME"] = str(self.workdir / "home")
         env["XDG_CACHE_HOME"] = str(self.workdir / "cache")

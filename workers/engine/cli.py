@@ -6,6 +6,10 @@
 With -f the vLLM arguments are built from an InferenceDeployment file (the same builder the operator
 uses); after `--` they are the arguments the operator rendered into the pod. Settings that would make
 vLLM fail are reported as one line before it starts.
+
+Exit status: vLLM's own; 1 for a setting refused before start; 75 when the engine's NIXL side-channel
+listener died (its port taken during start-up, or it stopped listening later), after one line saying
+so, so that Kubernetes restarts the pod at once instead of after the startup probe's 30 minutes.
 """
 
 from __future__ import annotations
@@ -32,12 +36,17 @@ from splitserve.engine.launcher import (
     run_engine,
     with_option,
 )
+from splitserve.engine.listener import EXIT_LISTENER_DEAD
 
 PROG = "splitserve worker"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.usage = "%(prog)s --role ROLE (-f SPEC.yaml | -- VLLM_ARGS...) [options]"
+    parser.epilog = (
+        f"exit status: vLLM's own; 1: a setting refused before start; {EXIT_LISTENER_DEAD}: vLLM stopped"
+        " because its NIXL side-channel listener died (its port was taken, or it stopped listening)"
+    )
     parser.add_argument("--role", required=True, choices=[role.value for role in Role], help="what this engine does")
     parser.add_argument("-f", "--file", help="InferenceDeployment YAML to build the vLLM arguments from")
     parser.add_argument("--port", type=int, help="HTTP port (default: the spec's engine.port, or vLLM's)")

