@@ -11,6 +11,8 @@ failed=0
 echo "== ruff"
 ruff check . || failed=1
 ruff format --check . >/dev/null || { echo "ruff format: files need formatting (run: ruff format .)"; failed=1; }
+echo "== lint-imports (the layering contracts in pyproject.toml)"
+lint-imports --no-cache | tail -n 3 || failed=1
 echo "== mypy --strict"
 mypy -p splitserve || failed=1
 echo "== pytest"

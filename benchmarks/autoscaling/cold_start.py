@@ -1,9 +1,10 @@
 """Cold start from zero decode replicas, measured phase by phase on the real control path.
 
-The path is the one tests/operator_e2e/test_scale_from_zero.py proves (its `ScaleFromZeroRig` is
-the harness): the API emulator and the kopf operator as subprocesses, a real Prometheus scraping
-the router and the workers, the router with EndpointSlice discovery, simulated vLLM workers. Each
-run sends one streaming request with decode at zero and times, from the request's arrival:
+The path is the one tests/operator_e2e/test_scale_from_zero.py proves (its `ScaleFromZeroRig`, in
+testkit/rigs/scale_from_zero.py, is the harness): the API emulator and the kopf operator as
+subprocesses, a real Prometheus scraping the router and the workers, the router with EndpointSlice
+discovery, simulated vLLM workers. Each run sends one streaming request with decode at zero and
+times, from the request's arrival:
 
     queued       the router holds it in the decode admission queue
     scaled       the decode Deployment's spec.replicas is 1 (the autoscaler's /scale landed)
@@ -42,10 +43,10 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from tests.emulator.fixtures import EmulatorProcess  # noqa: E402
-from tests.operator_e2e.conftest import OperatorProcess, install_crd  # noqa: E402
-from tests.operator_e2e.test_scale_from_zero import ColdStart, RigSettings, ScaleFromZeroRig  # noqa: E402
-from tests.support_prometheus import PROMETHEUS_BINARY  # noqa: E402
+from testkit.emulator.fixtures import EmulatorProcess  # noqa: E402
+from testkit.operator import OperatorProcess, install_crd  # noqa: E402
+from testkit.prometheus import PROMETHEUS_BINARY  # noqa: E402
+from testkit.rigs.scale_from_zero import ColdStart, RigSettings, ScaleFromZeroRig  # noqa: E402
 
 # `splitserve worker` start to /health 200 for one vLLM-CPU engine with the tiny model, seconds.
 # Idle machine: /work/shared/notes/vllm-cpu.md (~26 s alone); loaded 2-core machine (load average

@@ -1,7 +1,7 @@
 """Autoscaling evidence in real time: replay a bursty trace against HTTP simulator pools behind the
 real router, with a real Prometheus scraping them, under three policies:
 
-- builtin: splitserve's autoscaler (`splitserve.autoscaling.evaluate`, unchanged) every interval;
+- builtin: splitserve's autoscaler (`splitserve.io.signals.evaluate`, unchanged) every interval;
 - keda-waiting: what the usual KEDA recipe does (vLLM production-stack): per pool, one Prometheus
   trigger `sum(vllm:num_requests_waiting)` with an AverageValue threshold, HPA's algorithm
   (10% tolerance, same windows, step and interval as builtin);
@@ -54,12 +54,12 @@ if str(REPO) not in sys.path:
 
 from splitserve.api.spec import InferenceDeploymentSpec  # noqa: E402
 from splitserve.autoscaling.decision import AutoscalerState  # noqa: E402
-from splitserve.autoscaling.evaluate import evaluate  # noqa: E402
-from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable  # noqa: E402
+from splitserve.io.prometheus import PrometheusClient, PrometheusUnavailable  # noqa: E402
+from splitserve.io.signals import evaluate  # noqa: E402
 from splitserve.router.discovery import UpdateCallback  # noqa: E402
 from splitserve.sim import Role, SimConfig  # noqa: E402
 from splitserve.sim.server import SimFleet, run_event_loop  # noqa: E402
-from tests.support_prometheus import PROMETHEUS_BINARY, PrometheusServer, ScrapeTarget  # noqa: E402
+from testkit.prometheus import PROMETHEUS_BINARY, PrometheusServer, ScrapeTarget  # noqa: E402
 
 NAMESPACE, NAME = "bench", "bench"
 POOLS = ("prefill", "decode")

@@ -37,8 +37,8 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from splitserve.api.spec import InferenceDeploymentSpec  # noqa: E402
-from splitserve.autoscaling.decision import AutoscalerState, decide  # noqa: E402
-from splitserve.autoscaling.signals import PoolSignals  # noqa: E402
+from splitserve.autoscaling.decision import AutoscalerState, decide_replicas  # noqa: E402
+from splitserve.autoscaling.queries import PoolSignals  # noqa: E402
 from splitserve.sim.config import PROFILES, LatencyModel  # noqa: E402
 from splitserve.sim.scheduler import Scheduler, Sequence  # noqa: E402
 
@@ -255,7 +255,7 @@ class Simulation:
         reasons: dict[str, str] = {}
         if self.policy == "builtin":
             ready = {pool: len(self.ready(pool)) for pool in POOLS}
-            decision = decide(self.spec, current, self.snapshot, self.state, self.now, ready=ready)
+            decision = decide_replicas(self.spec, current, self.snapshot, self.state, self.now, ready=ready)
             self.state = decision.state
             desired = decision.desired
             reasons = decision.reasons

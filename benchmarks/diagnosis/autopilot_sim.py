@@ -1,10 +1,10 @@
-"""Autopilot simulation report: the production `decide()` driving a simulated deployment in virtual time.
+"""Autopilot simulation report: the production `decide_optimization()` driving a simulated deployment in virtual time.
 
 For each workload the same request trace is served twice: by the initial configuration left alone
 ("fixed") and with the autopilot on ("autopilot"): every `interval_s` (60 s, the operator's default)
 the telemetry the diagnosis would read from Prometheus over a 5 m window is computed from the
 simulation, turned into a `Sample` by the production `sample_from_input`, and handed to the
-production `decide()` with the serving state and the history of applied changes. Its actions (a
+production `decide_optimization()` with the serving state and the history of applied changes. Its actions (a
 JSON merge patch on the spec, undo included) change the simulated fleet make-before-break: engines of
 the new shape start (`startup_s`), then the old ones drain.
 
@@ -45,20 +45,20 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode  # noqa: E402
-from splitserve.controller.effective import merge_patch  # noqa: E402  (what the operator applies)
-from splitserve.diagnosis.autopilot import (  # noqa: E402
+from splitserve.diagnosis.findings import DiagnosisInput  # noqa: E402
+from splitserve.diagnosis.model_facts import model_facts  # noqa: E402
+from splitserve.diagnosis.report import gpu_choices  # noqa: E402
+from splitserve.diagnosis.telemetry import Reading, Telemetry  # noqa: E402
+from splitserve.optimization.autopilot import (  # noqa: E402
     Action,
     AppliedAction,
     AutopilotPolicy,
     Sample,
-    decide,
+    decide_optimization,
     sample_from_input,
     state_from_spec,
 )
-from splitserve.diagnosis.findings import DiagnosisInput  # noqa: E402
-from splitserve.diagnosis.model_facts import model_facts  # noqa: E402
-from splitserve.diagnosis.service import gpu_choices  # noqa: E402
-from splitserve.diagnosis.telemetry import Reading, Telemetry  # noqa: E402
+from splitserve.optimization.overrides import merge_patch  # noqa: E402  (what the operator applies)
 from splitserve.sim.config import PROFILES, EngineLimits, LatencyModel  # noqa: E402
 from splitserve.sim.scheduler import Scheduler, Sequence  # noqa: E402
 from splitserve.sim.speculative import SpeculativeModel, SpeculativeScheduler  # noqa: E402
@@ -421,7 +421,7 @@ class Simulation:
         self.timeline.append(row)
         if not self.autopilot:
             return
-        decision = decide(
+        decision = decide_optimization(
             dynamic=self.spec.optimization.dynamic,
             veto=self.spec.optimization.veto,
             state=state_from_spec(self.spec),

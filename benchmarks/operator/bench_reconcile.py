@@ -3,7 +3,7 @@ child applied and status written (Ready=True), and the operator's memory, agains
 
     python benchmarks/operator/bench_reconcile.py [--counts 1,100]
 
-The emulator (tests/emulator) stands in for kube-apiserver, with its fake Deployment controller
+The emulator (testkit/emulator) stands in for kube-apiserver, with its fake Deployment controller
 marking replicas ready at once; so the figures measure the operator's own work plus the
 emulator's, not a real cluster's scheduling. Run from the repository root.
 """
@@ -24,8 +24,8 @@ REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from splitserve.api.crd import render_crd_yaml  # noqa: E402
-from tests.emulator.client import EmulatorClient  # noqa: E402
-from tests.emulator.fixtures import EmulatorProcess  # noqa: E402
+from testkit.emulator.client import EmulatorClient  # noqa: E402
+from testkit.emulator.fixtures import EmulatorProcess  # noqa: E402
 
 
 def rss_mib(pid: int) -> float:

@@ -3,7 +3,7 @@
 The dashboard is generated so that its PromQL stays in one readable place; tests/packaging checks
 that the committed JSON is this script's output and that every query parses (promtool).
 
-Label conventions (see splitserve.autoscaling.signals): router series carry `namespace`,
+Label conventions (see splitserve.autoscaling.queries): router series carry `namespace`,
 `deployment` (the InferenceDeployment) and `pool`; worker series carry `namespace`, `deployment`
 and `role` (prefill, decode, aggregated); kube-state-metrics names Deployments `<name>-<role>`.
 """

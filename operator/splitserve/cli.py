@@ -16,15 +16,15 @@ from typing import Protocol, cast
 # name -> (module, one-line help). Later features register here and nowhere else.
 COMMANDS: dict[str, tuple[str, str]] = {
     "operator": ("splitserve.controller.cli", "run the kopf operator (reconciles InferenceDeployments)"),
-    "crd": ("splitserve.api.cli", "print the InferenceDeployment CustomResourceDefinition"),
-    "validate": ("splitserve.validation.cli", "check InferenceDeployment YAML offline (schema + CEL)"),
-    "render": ("splitserve.builders.cli", "print every manifest the operator would apply for a CR"),
+    "crd": ("splitserve.commands.crd", "print the InferenceDeployment CustomResourceDefinition"),
+    "validate": ("splitserve.commands.validate", "check InferenceDeployment YAML offline (schema + CEL)"),
+    "render": ("splitserve.commands.render", "print every manifest the operator would apply for a CR"),
     "worker": ("splitserve.engine.cli", "run a vLLM worker for a role (prefill, decode, aggregated)"),
     "tiny-model": ("splitserve.engine.tiny_model_cli", "build a tiny random-weight Llama model offline"),
     "sim-worker": ("splitserve.sim.cli", "run an engine simulator that speaks vLLM's HTTP API"),
     "router": ("splitserve.router.cli", "run the KV-transfer router (OpenAI-compatible endpoint)"),
     "up": ("splitserve.local.cli", "run an InferenceDeployment locally as processes"),
-    "diagnose": ("splitserve.diagnosis.cli", "answer the six-question diagnosis for a deployment"),
+    "diagnose": ("splitserve.commands.diagnose", "answer the six-question diagnosis for a deployment"),
 }
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.support_prometheus import PrometheusServer, StaticExporter
+from testkit.prometheus import PrometheusServer, StaticExporter
 
 
 @pytest.fixture

@@ -11,8 +11,8 @@ from hypothesis import HealthCheck, assume, example, given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import InferenceDeploymentSpec
-from splitserve.autoscaling.decision import AutoscalerState, Decision, Recommendation, decide
-from splitserve.autoscaling.signals import PoolSignals
+from splitserve.autoscaling.decision import AutoscalerState, Decision, Recommendation, decide_replicas
+from splitserve.autoscaling.queries import PoolSignals
 
 
 def make_spec(
@@ -47,7 +47,7 @@ def run(
     state: AutoscalerState | None = None,
     now: float = 1000.0,
 ) -> Decision:
-    return decide(spec, current, {"prefill": prefill, "decode": decode}, state or AutoscalerState(), now)
+    return decide_replicas(spec, current, {"prefill": prefill, "decode": decode}, state or AutoscalerState(), now)
 
 
 # --------------------------------------------------------------------------- examples
@@ -74,7 +74,7 @@ def test_decode_queue_sizes_the_pool_for_running_plus_waiting() -> None:
     assert big.desired["decode"] == 5  # ceil(238 / 32) = 8, capped by max step 4 → 5
     assert "max step 4" in big.reasons["decode"]
     # While asked-for replicas are still starting the queue is expected: no extra +1 each interval.
-    starting = decide(
+    starting = decide_replicas(
         spec,
         {"prefill": 1, "decode": 3},
         {"prefill": IDLE_PREFILL, "decode": replace(decode, running=32)},
@@ -107,7 +107,7 @@ def test_latency_scales_from_ready_replicas_while_a_scale_up_starts() -> None:
     spec = make_spec()
     slow = replace(IDLE_PREFILL, ttft_p90=2.0)
     # 2 ready of 4 asked for: the TTFT measured on 2 says 4, which is what is coming; not 8.
-    starting = decide(
+    starting = decide_replicas(
         spec,
         {"prefill": 4, "decode": 1},
         {"prefill": slow, "decode": IDLE_DECODE},
@@ -116,7 +116,7 @@ def test_latency_scales_from_ready_replicas_while_a_scale_up_starts() -> None:
         ready={"prefill": 2, "decode": 1},
     )
     assert starting.desired["prefill"] == 4
-    settled = decide(
+    settled = decide_replicas(
         spec,
         {"prefill": 4, "decode": 1},
         {"prefill": slow, "decode": IDLE_DECODE},
@@ -261,7 +261,7 @@ def test_ratio_bounds_raise_the_smaller_pool() -> None:
 def test_aggregated_mode_has_one_pool_with_ttft_and_itl() -> None:
     spec = make_spec(mode="aggregated")
     signals = replace(IDLE_DECODE, running=40, ttft_p90=3.0)
-    decision = decide(spec, {"aggregated": 2}, {"aggregated": signals}, AutoscalerState(), 0.0)
+    decision = decide_replicas(spec, {"aggregated": 2}, {"aggregated": signals}, AutoscalerState(), 0.0)
     assert decision.desired == {"aggregated": 4}
     assert "ttft_p90" in decision.reasons["aggregated"]
 
@@ -529,7 +529,7 @@ def test_steady_load_settles_and_never_flaps(
     sizes: list[tuple[int, int]] = []
     for step in range(150):
         signals = plant(demand, prompt_rate, kv_per_seq, replicas)
-        decision = decide(spec, replicas, signals, state, now=step * 15.0)
+        decision = decide_replicas(spec, replicas, signals, state, now=step * 15.0)
         state = decision.state
         replicas = {pool: decision.desired[pool] for pool in ("prefill", "decode")}
         sizes.append((replicas["prefill"], replicas["decode"]))

@@ -9,8 +9,8 @@ import kubernetes_validate
 import pytest
 
 from splitserve.api.spec import InferenceDeploymentSpec
-from splitserve.autoscaling.keda import autoscaler_objects, horizontal_pod_autoscaler, quantity, scaled_object
-from splitserve.autoscaling.signals import query_for
+from splitserve.autoscaling.queries import query_for
+from splitserve.builders.autoscalers import autoscaler_objects, horizontal_pod_autoscaler, quantity, scaled_object
 
 POLICY = {
     "type": "object",

@@ -11,14 +11,13 @@ import pytest
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.autoscaling.decision import AutoscalerState
-from splitserve.autoscaling.evaluate import evaluate
-from splitserve.autoscaling.keda import autoscaler_objects
-from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable
-from splitserve.autoscaling.signals import read_signals
+from splitserve.builders.autoscalers import autoscaler_objects
+from splitserve.io.prometheus import PrometheusClient, PrometheusUnavailable
+from splitserve.io.signals import evaluate, read_signals
 from splitserve.local.ports import free_port
 from splitserve.sim.config import SimConfig
 from splitserve.sim.server import SimWorker
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
+from testkit.prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.slow]
 

@@ -9,9 +9,8 @@ import pytest
 from splitserve.api.spec import AutoscalingSpec, InferenceDeploymentSpec
 from splitserve.api.status import AutoscalingDecision, AutoscalingStatus
 from splitserve.autoscaling.decision import AutoscalerState
-from splitserve.autoscaling.evaluate import evaluate, status_for
-from splitserve.autoscaling.prometheus import PrometheusClient, PrometheusUnavailable
-from splitserve.autoscaling.signals import (
+from splitserve.autoscaling.evaluation import status_for
+from splitserve.autoscaling.queries import (
     DEFAULT_QUERIES,
     SIGNAL_NAMES,
     PoolSignals,
@@ -19,6 +18,8 @@ from splitserve.autoscaling.signals import (
     queries_for_pool,
     query_for,
 )
+from splitserve.io.prometheus import PrometheusClient, PrometheusUnavailable
+from splitserve.io.signals import evaluate
 
 
 def test_default_queries_select_the_deployment_and_role() -> None:

@@ -10,21 +10,21 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import Mode
-from splitserve.diagnosis.autopilot import (
+from splitserve.diagnosis.model_facts import KvShape, ModelFacts
+from splitserve.diagnosis.questions import traffic_needs
+from splitserve.diagnosis.telemetry import Reading, Telemetry
+from splitserve.optimization.autopilot import (
     Action,
     AppliedAction,
     AutopilotPolicy,
     Decision,
     Sample,
     ServingState,
-    decide,
+    decide_optimization,
     from_event,
     sample_from_input,
     state_from_spec,
 )
-from splitserve.diagnosis.model_facts import KvShape, ModelFacts
-from splitserve.diagnosis.questions import traffic_needs
-from splitserve.diagnosis.telemetry import Reading, Telemetry
 from tests.diagnosis.conftest import InputFactory, SpecFactory
 
 POLICY = AutopilotPolicy()  # window 600 s, settle 420 s, evaluation 900 s, min interval 1800 s
@@ -48,7 +48,9 @@ def run(
     veto: Sequence[str] = (),
     dynamic: bool = True,
 ) -> Decision:
-    return decide(dynamic=dynamic, veto=veto, state=state, samples=samples, history=history, now=now, policy=POLICY)
+    return decide_optimization(
+        dynamic=dynamic, veto=veto, state=state, samples=samples, history=history, now=now, policy=POLICY
+    )
 
 
 # Moderate load: no rule fires (between every on/off threshold).

@@ -1,4 +1,4 @@
-"""The autopilot simulation benchmark still runs against the production decide() and shows its effect.
+"""The autopilot simulation benchmark still runs against the production decide_optimization() and shows its effect.
 
 A short low-load chat with a minutes-long policy: the autopilot turns speculative decoding on, and the
 time per token of the requests after it falls well below the fixed run's.
@@ -14,7 +14,7 @@ from types import ModuleType
 
 import pytest
 
-from splitserve.diagnosis.autopilot import AutopilotPolicy
+from splitserve.optimization.autopilot import AutopilotPolicy
 
 pytestmark = pytest.mark.slow
 

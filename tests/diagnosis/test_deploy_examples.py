@@ -11,9 +11,9 @@ from pathlib import Path
 import pytest
 
 from splitserve.api.spec import Mode
-from splitserve.diagnosis.cli import first_deployment, parse_spec
+from splitserve.commands.diagnose import first_deployment, parse_spec
 from splitserve.diagnosis.findings import pools_in_use
-from splitserve.diagnosis.service import run_diagnosis
+from splitserve.io.telemetry import run_diagnosis
 
 DEPLOY = Path(__file__).resolve().parents[2] / "deploy"
 TEXTS = {

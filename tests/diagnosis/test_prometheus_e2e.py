@@ -14,9 +14,9 @@ from pathlib import Path
 import pytest
 from aiohttp import web
 
-from splitserve.diagnosis.service import run_diagnosis
+from splitserve.io.telemetry import run_diagnosis
+from testkit.prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 from tests.diagnosis.conftest import SpecFactory
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow, requires_prometheus]
 

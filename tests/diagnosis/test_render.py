@@ -11,7 +11,7 @@ from splitserve.api.status import DiagnosisStatus
 from splitserve.diagnosis.findings import QuestionResult
 from splitserve.diagnosis.questions import diagnose
 from splitserve.diagnosis.render import render_text, summarise, tag_for_patch
-from splitserve.diagnosis.service import Report
+from splitserve.diagnosis.report import Report
 from tests.diagnosis.conftest import InputFactory, SpecFactory
 
 

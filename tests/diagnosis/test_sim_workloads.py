@@ -48,11 +48,12 @@ from aiohttp import web
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.diagnosis.findings import QuestionResult
-from splitserve.diagnosis.service import Report, run_diagnosis
+from splitserve.diagnosis.report import Report
+from splitserve.io.telemetry import run_diagnosis
 from splitserve.router.app import Router, build_app
 from splitserve.router.config import RouterConfig
 from splitserve.sim import EngineLimits, LatencyModel, Role, SimConfig, SimWorker
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
+from testkit.prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
 
 pytestmark = [pytest.mark.prometheus, pytest.mark.slow, requires_prometheus]
 

@@ -10,9 +10,9 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
-from splitserve.autoscaling.prometheus import PrometheusClient
-from splitserve.diagnosis.service import gather_telemetry, run_diagnosis
 from splitserve.diagnosis.telemetry import TelemetryScope, collect, default_scope
+from splitserve.io.prometheus import PrometheusClient
+from splitserve.io.telemetry import gather_telemetry, run_diagnosis
 from tests.diagnosis.conftest import FakePrometheus, SpecFactory
 
 SCOPE = TelemetryScope('model_name="m",namespace="ml"', 'namespace="ml"', "5m")

@@ -1,4 +1,4 @@
-from tests.emulator.fixtures import (  # noqa: F401  (fixtures are found by name)
+from testkit.emulator.fixtures import (  # noqa: F401  (fixtures are found by name)
     async_emulator_client,
     emulator,
     emulator_client,

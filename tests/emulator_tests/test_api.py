@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.emulator.client import ApiError, EmulatorClient, wait_for
+from testkit.emulator.client import ApiError, EmulatorClient, wait_for
 
 CM = ("v1", "configmaps")
 DEPLOY = ("apps/v1", "deployments")

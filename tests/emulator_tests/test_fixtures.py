@@ -6,8 +6,8 @@ from collections.abc import Callable
 
 import yaml
 
-from tests.emulator.client import ApiError, AsyncEmulatorClient
-from tests.emulator.fixtures import EmulatorProcess
+from testkit.emulator.client import ApiError, AsyncEmulatorClient
+from testkit.emulator.fixtures import EmulatorProcess
 
 
 def test_omitted_groups_are_not_served(emulator_factory: Callable[..., EmulatorProcess]) -> None:

@@ -10,9 +10,9 @@ from typing import Any
 
 import pytest
 
-from tests.emulator import rbac
-from tests.emulator.client import EmulatorClient, wait_for
-from tests.emulator.fixtures import EmulatorProcess
+from testkit.emulator import rbac
+from testkit.emulator.client import EmulatorClient, wait_for
+from testkit.emulator.fixtures import EmulatorProcess
 from tests.emulator_tests.test_api import widget_crd
 
 pytestmark = [pytest.mark.slow, pytest.mark.emulator]

@@ -8,8 +8,8 @@ import textwrap
 import pytest
 import yaml
 
-from tests.emulator.client import EmulatorClient, wait_for
-from tests.emulator.fixtures import Kubectl
+from testkit.emulator.client import EmulatorClient, wait_for
+from testkit.emulator.fixtures import Kubectl
 from tests.emulator_tests.test_api import widget_crd
 
 # kubectl runs take ~0.2 s each (more on a loaded machine).

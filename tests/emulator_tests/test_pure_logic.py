@@ -9,8 +9,8 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from tests.emulator import controllers, managed_fields, patching, rbac, selectors, tables
-from tests.emulator.resources import PrinterColumn, ResourceInfo
+from testkit.emulator import controllers, managed_fields, patching, rbac, selectors, tables
+from testkit.emulator.resources import PrinterColumn, ResourceInfo
 
 label_keys = st.sampled_from(["app", "tier", "zone", "team"])
 label_values = st.sampled_from(["a", "b", "c"])

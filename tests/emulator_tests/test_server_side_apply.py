@@ -7,8 +7,8 @@ from typing import Any
 
 import pytest
 
-from tests.emulator import managed_fields
-from tests.emulator.client import ApiError, EmulatorClient
+from testkit.emulator import managed_fields
+from testkit.emulator.client import ApiError, EmulatorClient
 from tests.emulator_tests.test_api import deployment
 
 DEPLOY = ("apps/v1", "deployments")

@@ -11,9 +11,9 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.emulator.client import EmulatorClient
-from tests.emulator.fixtures import EmulatorProcess
-from tests.emulator.server import running_emulator
+from testkit.emulator.client import EmulatorClient
+from testkit.emulator.fixtures import EmulatorProcess
+from testkit.emulator.server import running_emulator
 from tests.emulator_tests.test_api import configmap
 
 

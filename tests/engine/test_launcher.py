@@ -1,4 +1,4 @@
-"""The worker launcher: argument editing, environment, checks before start, signals, readiness."""
+"""The worker launcher: environment, checks before start, signals, readiness."""
 
 from __future__ import annotations
 
@@ -15,21 +15,16 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import pytest
-from hypothesis import given
-from hypothesis import strategies as st
 
 from splitserve.api.spec import Role
 from splitserve.engine.launcher import (
     CPU_ENV,
     LaunchError,
     LaunchPlan,
-    adapt_args_for_cpu,
     engine_environment,
-    option_value,
     port_in_use,
     preflight,
     wait_ready,
-    with_option,
 )
 from splitserve.local.ports import free_port
 
@@ -50,49 +45,6 @@ def busy_port() -> Iterator[int]:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         yield listener.getsockname()[1]
-
-
-# --------------------------------------------------------------------------- argument lists
-
-
-def test_option_value_both_spellings_last_wins() -> None:
-    assert option_value(["--port", "1", "--x", "--port=2"], "--port") == "2"
-    assert option_value(["--port", "1"], "--port") == "1"
-    assert option_value(["--portable", "1"], "--port") is None
-    assert option_value(["--port"], "--port") is None
-
-
-def test_with_option_replaces_every_occurrence_or_appends() -> None:
-    assert with_option(["--port", "1", "--a", "--port=2"], "--port", "9") == ["--port", "9", "--a", "--port=9"]
-    assert with_option(["--a"], "--port", "9") == ["--a", "--port", "9"]
-
-
-_pair = st.tuples(st.sampled_from(["--port", "--model", "--seed"]), st.sampled_from(["1", "x"]), st.booleans())
-# Well-formed argument lists: each option with its value, as `--x v` or `--x=v`.
-tokens = st.lists(_pair, max_size=5).map(
-    lambda pairs: [part for name, value, joined in pairs for part in ([f"{name}={value}"] if joined else [name, value])]
-)
-
-
-@given(args=tokens, value=st.sampled_from(["80", "9000"]))
-def test_with_option_then_option_value_round_trips(args: list[str], value: str) -> None:
-    edited = with_option(args, "--model", value)
-    assert option_value(edited, "--model") == value
-    # Other options are untouched.
-    assert option_value(edited, "--port") == option_value(args, "--port")
-
-
-def test_adapt_args_for_cpu_adds_only_what_is_missing() -> None:
-    assert adapt_args_for_cpu(["--model", "m"], None, "256M") == [
-        "--model",
-        "m",
-        "--enforce-eager",
-        "--kv-cache-memory-bytes",
-        "256M",
-    ]
-    kept = ["--enforce-eager", "--kv-cache-memory-bytes", "1G"]
-    assert adapt_args_for_cpu(kept, None, "256M") == kept
-    assert option_value(adapt_args_for_cpu(kept, "512M", "256M"), "--kv-cache-memory-bytes") == "512M"
 
 
 # --------------------------------------------------------------------------- environment

@@ -1,4 +1,5 @@
-"""build_engine_launch: the vLLM command line the operator and `splitserve worker` both run."""
+"""build_engine_launch: the vLLM command line the operator and `splitserve worker` both run; the
+argument-list edits (`--cpu` adaptation, option overrides) `splitserve worker -- ARGS` applies."""
 
 from __future__ import annotations
 
@@ -10,13 +11,16 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
+from splitserve.api.topology import role_pool
 from splitserve.builders.vllm_args import (
     CPU_DEFAULT_KV_CACHE_BYTES,
     MODEL_MOUNT_PATH,
     EngineLaunch,
     build_engine_launch,
+    cpu_engine_args,
     model_location,
-    role_pool,
+    option_value,
+    with_option,
 )
 from tests.engine.specs import ALL_ROLES, make_spec, specs
 
@@ -279,3 +283,46 @@ def test_generated_specs(spec: InferenceDeploymentSpec, role: Role, cpu: bool, p
     expected_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.kv_transfer.side_channel_port)} if nixl else {}
     assert launch.env == expected_env | user_env
     assert all(isinstance(value, str) for value in launch.env.values())
+
+
+# --------------------------------------------------------------------------- argument lists
+
+
+def test_option_value_both_spellings_last_wins() -> None:
+    assert option_value(["--port", "1", "--x", "--port=2"], "--port") == "2"
+    assert option_value(["--port", "1"], "--port") == "1"
+    assert option_value(["--portable", "1"], "--port") is None
+    assert option_value(["--port"], "--port") is None
+
+
+def test_with_option_replaces_every_occurrence_or_appends() -> None:
+    assert with_option(["--port", "1", "--a", "--port=2"], "--port", "9") == ["--port", "9", "--a", "--port=9"]
+    assert with_option(["--a"], "--port", "9") == ["--a", "--port", "9"]
+
+
+_pair = st.tuples(st.sampled_from(["--port", "--model", "--seed"]), st.sampled_from(["1", "x"]), st.booleans())
+# Well-formed argument lists: each option with its value, as `--x v` or `--x=v`.
+tokens = st.lists(_pair, max_size=5).map(
+    lambda pairs: [part for name, value, joined in pairs for part in ([f"{name}={value}"] if joined else [name, value])]
+)
+
+
+@given(args=tokens, value=st.sampled_from(["80", "9000"]))
+def test_with_option_then_option_value_round_trips(args: list[str], value: str) -> None:
+    edited = with_option(args, "--model", value)
+    assert option_value(edited, "--model") == value
+    # Other options are untouched.
+    assert option_value(edited, "--port") == option_value(args, "--port")
+
+
+def test_cpu_engine_args_adds_only_what_is_missing() -> None:
+    assert cpu_engine_args(["--model", "m"]) == [
+        "--model",
+        "m",
+        "--enforce-eager",
+        "--kv-cache-memory-bytes",
+        CPU_DEFAULT_KV_CACHE_BYTES,
+    ]
+    kept = ["--enforce-eager", "--kv-cache-memory-bytes", "1G"]
+    assert cpu_engine_args(kept) == kept
+    assert option_value(cpu_engine_args(kept, "512M"), "--kv-cache-memory-bytes") == "512M"

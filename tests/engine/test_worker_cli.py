@@ -8,10 +8,10 @@ from pathlib import Path
 
 import pytest
 
-from splitserve.builders.vllm_args import build_engine_launch
+from splitserve.builders.vllm_args import build_engine_launch, option_value
 from splitserve.cli import main
 from splitserve.engine import cli
-from splitserve.engine.launcher import VLLM_SERVER_MODULE, LaunchError, option_value
+from splitserve.engine.launcher import VLLM_SERVER_MODULE, LaunchError
 from tests.engine.specs import make_spec
 
 SPEC_YAML = """\

@@ -2,14 +2,20 @@
 
 from __future__ import annotations
 
+import argparse
 import itertools
 
 import yaml
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from splitserve.api.topology import Owner
+from splitserve.builders.router import build_router_deployment
+from splitserve.builders.target import Target
 from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment, parse_deployment
 from splitserve.local.plan import Engine, PlanInputs, plan_processes, resolved_document
+from splitserve.router import cli as router_cli
+from splitserve.router.config import DiscoveryKind
 
 SPLITSERVE = ("python", "-m", "splitserve")
 
@@ -47,7 +53,17 @@ def _inputs(
 
 
 def _arg(argv: tuple[str, ...], flag: str) -> str:
-    return argv[argv.index(flag) + 1]
+    """The value of `flag`, written `--flag value` or `--flag=value`."""
+    for index, arg in enumerate(argv):
+        if arg.startswith(flag + "="):
+            return arg[len(flag) + 1 :]
+        if arg == flag:
+            return argv[index + 1]
+    raise AssertionError(f"{flag} not in {argv}")
+
+
+def _has(argv: tuple[str, ...], flag: str) -> bool:
+    return any(arg == flag or arg.startswith(flag + "=") for arg in argv)
 
 
 # Parsing runs the full validator (schema + CEL), tens of milliseconds on a loaded machine.
@@ -71,7 +87,7 @@ def test_one_process_per_replica_with_distinct_ports_and_names(prefill: int, dec
     if expected_prefill:
         assert _arg(router, "--prefill").split(",") == [spec.base_url for spec in plan.workers[:prefill]]
     else:
-        assert "--prefill" not in router
+        assert not _has(router, "--prefill")
 
 
 def test_sim_workers_and_router_arguments() -> None:
@@ -89,6 +105,30 @@ def test_sim_workers_and_router_arguments() -> None:
     assert _arg(router.argv, "--queue-limit") == "9"
     assert _arg(router.argv, "--prefill-policy") == "prefix-aware"
     assert _arg(router.argv, "--decode-policy") == "least-loaded"
+
+
+def test_router_command_line_is_the_routers_own_and_the_clusters() -> None:
+    timeouts = {"queueSeconds": 7, "connectSeconds": 2.5, "prefillSeconds": 40, "firstTokenSeconds": 50}
+    deployment = _deployment(router={"admissionQueueLimit": 9, "timeouts": timeouts}, prefill=2)
+    plan = plan_processes(deployment, _inputs())
+    flags = plan.router.argv[len(SPLITSERVE) + 1 :]
+    assert plan.router.argv[len(SPLITSERVE)] == "router"
+    parser = argparse.ArgumentParser()
+    router_cli.configure(parser)
+    config = router_cli.config_from_args(parser.parse_args(list(flags)))
+    assert config.discovery is DiscoveryKind.STATIC
+    assert (config.host, config.port, config.model) == ("127.0.0.1", 8000, "tiny")
+    assert config.prefill_urls == tuple(worker.base_url for worker in plan.workers[:2])
+    assert (config.queue_limit, config.queue_timeout, config.connect_timeout) == (9, 7, 2.5)
+    assert (config.prefill_timeout, config.decode_timeout, config.drain_seconds) == (40, 50, 5)
+    # The routing, admission and timeout flags are the ones the cluster's router Deployment runs with.
+    target = Target(Owner("t", "default"), deployment.spec)
+    in_cluster = build_router_deployment(target)["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert in_cluster[0] == "router"
+    local_only = ("--host", "--port", "--prefill=", "--decode=", "--drain-seconds", "--tokenizer")
+    cluster_only = ("--host", "--port", "--discovery", "--namespace", "--prefill-service", "--decode-service")
+    shared = [flag for flag in in_cluster[1:] if not flag.startswith((*cluster_only, "--worker-port"))]
+    assert [flag for flag in flags if not flag.startswith(local_only)] == shared
 
 
 def test_vllm_workers_get_their_own_nixl_port_and_offline_env() -> None:
@@ -120,4 +160,4 @@ def test_resolved_document_leaves_a_real_path_alone() -> None:
     assert document["spec"]["model"]["source"] == {"uri": "/data/llama"}
     assert notes == []
     plan = plan_processes(deployment, _inputs(Engine.VLLM, model_path="/data/llama", spec_path="/run/spec.yaml"))
-    assert "--tokenizer" not in plan.router.argv, "only the tiny model's tokenizer is known to be local"
+    assert not _has(plan.router.argv, "--tokenizer"), "only the tiny model's tokenizer is known to be local"

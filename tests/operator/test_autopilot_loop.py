@@ -11,11 +11,11 @@ import pytest
 import yaml
 
 from splitserve.api.crd import render_crd_yaml
-from splitserve.controller.autopilot_loop import AutopilotSettings, new_samples, optimize_once
-from splitserve.controller.kube import ClusterAccess, KubeClient
+from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
 from splitserve.controller.reconcile import IDEP, Reconciler
-from tests.emulator.client import AsyncEmulatorClient
-from tests.emulator.server import running_emulator
+from splitserve.io.kube import ClusterAccess, KubeClient
+from testkit.emulator.client import AsyncEmulatorClient
+from testkit.emulator.server import running_emulator
 
 NAMESPACE = "serving"
 PLURAL = ("splitserve.io/v1alpha1", "inferencedeployments")

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from splitserve.controller.autopilot_loop import AutopilotSettings
+from splitserve.controller.loops.autopilot import AutopilotSettings
 
 
 def test_defaults_are_minutes_and_the_policy_is_read_from_json() -> None:

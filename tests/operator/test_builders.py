@@ -11,8 +11,9 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.api.topology import LABEL_DEPLOYMENT, Owner
 from splitserve.builders.bundle import build_children, child_key
-from splitserve.builders.naming import LABEL_DEPLOYMENT, Owner, Target
+from splitserve.builders.target import Target
 from splitserve.validation import validate_object
 from tests.operator.helpers import EXAMPLES, assert_valid_kubernetes, load, minimal
 

@@ -9,8 +9,9 @@ from hypothesis import strategies as st
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
 from splitserve.api.status import OptimizationEvent
-from splitserve.controller.autopilot_loop import record
-from splitserve.controller.effective import (
+from splitserve.controller.loops.autopilot import record
+from splitserve.optimization.autopilot import Action, from_event
+from splitserve.optimization.overrides import (
     active_overrides,
     effective_spec,
     in_effect,
@@ -19,7 +20,6 @@ from splitserve.controller.effective import (
     minimal,
     without_vetoed,
 )
-from splitserve.diagnosis.autopilot import Action, from_event
 
 SPEC: dict[str, Any] = {"model": {"name": "m", "source": {"uri": "s3://m"}}, "mode": "aggregated"}
 SPECULATIVE_ON = {"engine": {"speculativeDecoding": {"method": "ngram"}}}

@@ -9,9 +9,9 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from splitserve.api.spec import Mode
-from splitserve.api.status import InferenceDeploymentStatus
+from splitserve.api.status import InferenceDeploymentStatus, Problem
 from splitserve.controller.drift import contains
-from splitserve.controller.rollup import PoolObservation, Problem, roll_up
+from splitserve.controller.rollup import PoolObservation, roll_up
 
 
 def pool(desired: int, ready: int, *, updated: int | None = None, up_to_date: bool = True) -> PoolObservation:

@@ -1,82 +1,17 @@
-"""The real kopf operator (`splitserve operator`) as a subprocess against the API emulator."""
+"""Fixtures: the real kopf operator (`splitserve operator`) as a subprocess against the API emulator.
+
+The harness itself (`OperatorProcess`, `install_crd`, `eventually`, `NAMESPACE`) is testkit.operator."""
 
 from __future__ import annotations
 
-import asyncio
-import subprocess
 import sys
-import time
-from collections.abc import Callable, Iterator, Mapping
-from pathlib import Path
-from typing import Any
+from collections.abc import Iterator
 
 import pytest
-import yaml
 
-from splitserve.api.crd import render_crd_yaml
-from tests.emulator.client import EmulatorClient
-from tests.emulator.fixtures import EmulatorProcess
-
-NAMESPACE = "serving"
-
-
-class OperatorProcess:
-    def __init__(
-        self,
-        emulator: EmulatorProcess,
-        workdir: Path,
-        env: Mapping[str, str] | None = None,
-        python: str = sys.executable,
-    ) -> None:
-        self.emulator = emulator
-        # The interpreter whose `splitserve` runs: the test venv's, or a venv holding only the shipped wheel.
-        self.python = python
-        self.log_path = workdir / "operator.log"
-        # A fast diagnosis timer by default, so status.diagnosis shows up within a test's patience.
-        self.env = {"SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3", **(env or {})}
-        self._process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> None:
-        with self.log_path.open("ab") as log:
-            self._process = subprocess.Popen(
-                [self.python, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
-                env={**self.emulator.env(), **self.env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-            )
-
-    @property
-    def alive(self) -> bool:
-        return self._process is not None and self._process.poll() is None
-
-    def stop(self) -> None:
-        if self._process is not None and self._process.poll() is None:
-            self._process.terminate()
-            try:
-                self._process.wait(timeout=15)
-            except subprocess.TimeoutExpired:
-                self._process.kill()
-                self._process.wait()
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace")
-
-
-async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0, every_s: float = 0.5) -> Any:
-    """Poll `check` until it returns something truthy (returned), or time out saying what was awaited."""
-    deadline = time.monotonic() + limit_s
-    last = None
-    while time.monotonic() < deadline:
-        last = check()
-        if last:
-            return last
-        await asyncio.sleep(every_s)
-    raise TimeoutError(f"timed out waiting for {what} (last: {last!r})")
-
-
-def install_crd(client: EmulatorClient) -> None:
-    client.apply(yaml.safe_load(render_crd_yaml()), field_manager="test", force=True)
-    client.create_namespace(NAMESPACE)
+from testkit.emulator.client import EmulatorClient
+from testkit.emulator.fixtures import EmulatorProcess
+from testkit.operator import OperatorProcess, install_crd
 
 
 @pytest.fixture(scope="module")

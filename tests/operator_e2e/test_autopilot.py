@@ -20,10 +20,10 @@ from typing import Any
 
 import pytest
 
-from tests.emulator.client import EmulatorClient
-from tests.emulator.fixtures import EmulatorProcess
-from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess, eventually, install_crd
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
+from testkit.emulator.client import EmulatorClient
+from testkit.emulator.fixtures import EmulatorProcess
+from testkit.operator import NAMESPACE, OperatorProcess, eventually, install_crd
+from testkit.prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")

@@ -12,10 +12,10 @@ from typing import Any
 
 import pytest
 
-from tests.emulator.client import EmulatorClient
-from tests.emulator.fixtures import EmulatorProcess
-from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess, eventually
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
+from testkit.emulator.client import EmulatorClient
+from testkit.emulator.fixtures import EmulatorProcess
+from testkit.operator import NAMESPACE, OperatorProcess, eventually
+from testkit.prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
 NAME = "auto"

@@ -48,12 +48,12 @@ from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubernetesDiscovery, kubeconfig_access
 from splitserve.sim import SimConfig, SimWorker
-from tests.emulator.fixtures import EmulatorProcess
-from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
-from tests.operator_e2e.rig import IDEP, EmulatedDeployment, as_async, eventually
+from testkit.emulator.fixtures import EmulatorProcess
+from testkit.operator import NAMESPACE, OperatorProcess
+from testkit.prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
+from testkit.rigs.base import IDEP, EmulatedDeployment, as_async, eventually
+from testkit.router import metric_value, router_config, running_router, sim_config
 from tests.operator_e2e.test_scale_from_zero import SUCCESS_DISAGGREGATED
-from tests.router.conftest import metric_value, router_config, running_router, sim_config
-from tests.support_prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
 NAME = "loadstep"

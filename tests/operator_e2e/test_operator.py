@@ -8,9 +8,9 @@ from typing import Any
 
 import pytest
 
-from tests.emulator.client import EmulatorClient, wait_for
-from tests.emulator.fixtures import EmulatorProcess, Kubectl
-from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess
+from testkit.emulator.client import EmulatorClient, wait_for
+from testkit.emulator.fixtures import EmulatorProcess, Kubectl
+from testkit.operator import NAMESPACE, OperatorProcess
 
 pytestmark = [pytest.mark.emulator, pytest.mark.slow]
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")

@@ -14,7 +14,7 @@ import pytest
 
 # The helper modules sit next to this file; make them importable whatever pytest's import mode is.
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-# The repository root, for the API emulator package (tests.emulator) used by test_pkg_on_emulator.py.
+# The repository root, for the API emulator package (testkit.emulator) used by test_pkg_on_emulator.py.
 sys.path.append(str(Path(__file__).resolve().parents[2]))
 
 from pkg_k8s import RenderChart, crd_schemas

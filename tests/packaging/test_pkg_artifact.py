@@ -223,8 +223,8 @@ def test_operator_image_names_the_extra_an_engine_command_needs(operator_image: 
 async def test_operator_from_the_image_brings_a_deployment_to_ready(
     operator_image: ArtifactVenv, tmp_path: Path
 ) -> None:
-    from tests.emulator.fixtures import EmulatorProcess
-    from tests.operator_e2e.conftest import NAMESPACE, OperatorProcess, eventually, install_crd
+    from testkit.emulator.fixtures import EmulatorProcess
+    from testkit.operator import NAMESPACE, OperatorProcess, eventually, install_crd
 
     emulator = EmulatorProcess(tmp_path)
     emulator.start()

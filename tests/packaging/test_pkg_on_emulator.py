@@ -1,4 +1,4 @@
-"""The install path end to end against the project's Kubernetes API emulator (tests/emulator).
+"""The install path end to end against the project's Kubernetes API emulator (testkit/emulator).
 
 What a real cluster would do that this checks: real kubectl server-side-applies the chart's CRDs and
 rendered manifests; two operator replicas started with the chart's exact command line share one kopf
@@ -123,7 +123,7 @@ class Cluster:
 
 def fixtures_module() -> ModuleType:
     module: ModuleType = pytest.importorskip(
-        "tests.emulator.fixtures", reason="API emulator (tests/emulator) not available"
+        "testkit.emulator.fixtures", reason="API emulator (testkit/emulator) not available"
     )
     return module
 

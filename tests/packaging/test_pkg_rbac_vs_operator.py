@@ -1,6 +1,6 @@
 """The chart's RBAC (charts/splitserve/files/rbac-rules.yaml) against what the operator really does.
 
-The operator's own tables say which kinds it reads and writes (splitserve.controller.kube.PLURALS,
+The operator's own tables say which kinds it reads and writes (splitserve.io.kube.PLURALS,
 reconcile.PRUNABLE_KINDS), and its builders say which children an InferenceDeployment gets. Server-side
 apply needs get + create + patch; pruning needs list + delete; a Role the operator creates may only
 grant what the operator holds (Kubernetes' RBAC escalation check).
@@ -17,7 +17,7 @@ from pkg_sources import REPO_ROOT, load_rbac_rules
 
 EXAMPLES = sorted((REPO_ROOT / "deploy" / "examples").glob("*.yaml"))
 
-kube = pytest.importorskip("splitserve.controller.kube", reason="operator's kube module not available")
+kube = pytest.importorskip("splitserve.io.kube", reason="operator's kube module not available")
 reconcile = pytest.importorskip("splitserve.controller.reconcile", reason="operator's reconcile module not available")
 
 
@@ -63,8 +63,9 @@ def test_the_inference_deployment_itself_is_watched_and_its_status_written() -> 
 
 def children_of(example: Path) -> list[dict[str, Any]]:
     from splitserve.api.spec import InferenceDeploymentSpec
+    from splitserve.api.topology import Owner
     from splitserve.builders.bundle import build_children
-    from splitserve.builders.naming import Owner, Target
+    from splitserve.builders.target import Target
 
     document = yaml.safe_load(example.read_text())
     spec = InferenceDeploymentSpec.model_validate(document["spec"])

@@ -1,65 +1,19 @@
-"""Fixtures for router tests: a router on a free loopback port, and simulated workers."""
+"""Helpers for router tests: fault configs and polling. The router on a free loopback port and the
+simulated workers' configs (`running_router`, `router_config`, `sim_config`, `metric_value`,
+`TIME_SCALE`) are testkit.router, shared with the end-to-end rigs and benchmarks."""
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
-import dataclasses
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 from typing import Any
 
-from aiohttp import web
-
-from splitserve.router.app import Router, build_app
-from splitserve.router.config import RouterConfig
-from splitserve.router.discovery import Discovery
-from splitserve.sim import FaultConfig, Role, SimConfig
-
-# Simulated engines at 1/100 of real CPU-tiny timing: requests take milliseconds.
-TIME_SCALE = 0.01
-
-
-def sim_config(role: Role | str, **overrides: Any) -> SimConfig:
-    overrides.setdefault("time_scale", TIME_SCALE)
-    overrides.setdefault("model", "sim-model")
-    faults = overrides.pop("faults", None)
-    config = SimConfig.from_profile("cpu-tiny", role=Role(role), **overrides)
-    return dataclasses.replace(config, faults=faults) if faults is not None else config
+from splitserve.sim import FaultConfig
 
 
 def fault(**kwargs: Any) -> FaultConfig:
     return FaultConfig(**kwargs)
-
-
-def router_config(**overrides: Any) -> RouterConfig:
-    base: dict[str, Any] = {
-        "host": "127.0.0.1",
-        "port": 0,
-        "model": "sim-model",
-        "health_interval": 0.05,
-        "eject_min_seconds": 0.1,
-        "queue_timeout": 5.0,
-    }
-    base.update(overrides)
-    return RouterConfig(**base)
-
-
-@contextlib.asynccontextmanager
-async def running_router(config: RouterConfig, discovery: Discovery | None = None) -> AsyncIterator[tuple[Router, str]]:
-    """A started router and its base URL; handler_cancellation as in production (cli.serve)."""
-    router = Router(config, discovery=discovery)
-    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server
-    assert server is not None
-    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
-    try:
-        yield router, f"http://127.0.0.1:{port}"
-    finally:
-        await runner.cleanup()
 
 
 async def wait_until(condition: Callable[[], object], within: float = 5.0) -> None:
@@ -68,8 +22,3 @@ async def wait_until(condition: Callable[[], object], within: float = 5.0) -> No
     while not condition():
         assert time.monotonic() < deadline, "condition not met in time"
         await asyncio.sleep(0.02)
-
-
-def metric_value(router: Router, name: str, labels: dict[str, str] | None = None) -> float:
-    value = router.metrics.registry.get_sample_value(name, labels or {})
-    return 0.0 if value is None else value

@@ -16,7 +16,7 @@ import pytest
 from splitserve.router import cli
 from splitserve.router.config import DiscoveryKind
 from splitserve.sim import SimWorker
-from tests.router.conftest import sim_config
+from testkit.router import sim_config
 
 
 def parse(*argv: str) -> argparse.Namespace:

@@ -1,25 +1,30 @@
-"""Discovery: EndpointSlice reading, a live watch against a fake API server, DNS, pool membership."""
+"""Discovery: EndpointSlice reading, a live watch against a fake API server, DNS, pool membership,
+and credentials from the kubernetes client's loaders (kubeconfig tokens, exec plugins)."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import orjson
 import pytest
+import yaml
 from aiohttp import web
 
 from splitserve.router.discovery import (
     DnsDiscovery,
     KubeAccess,
     KubernetesDiscovery,
+    authorization_header,
     endpoints_of_slices,
     kubeconfig_access,
 )
 from splitserve.router.policies import RoutingRequest
 from splitserve.sim import SimWorker
-from tests.router.conftest import router_config, running_router, sim_config, wait_until
+from testkit.router import router_config, running_router, sim_config
+from tests.router.conftest import wait_until
 
 
 def endpoint_slice(name: str, endpoints: list[tuple[str, dict[str, bool]]], version: str = "1") -> dict[str, Any]:
@@ -175,3 +180,89 @@ def test_kubeconfig_with_token_and_insecure_server(tmp_path: Any) -> None:
     access = kubeconfig_access(str(path))
     assert access.server == "https://10.1.2.3:6443"
     assert access.headers() == {"Authorization": "Bearer abc"}
+
+
+def _exec_kubeconfig(tmp_path: Path, server: str, expiry: str) -> Path:
+    """A kubeconfig whose user is an exec credential plugin: a shell script printing an ExecCredential
+    with token exec-<n>, n counting its runs."""
+    counter = tmp_path / "runs"
+    plugin = tmp_path / "credential-plugin.sh"
+    plugin.write_text(
+        "#!/bin/sh\n"
+        f'n=$(( $(cat "{counter}" 2>/dev/null || echo 0) + 1 ))\n'
+        f'echo "$n" > "{counter}"\n'
+        'printf \'{"apiVersion":"client.authentication.k8s.io/v1","kind":"ExecCredential",'
+        f'"status":{{"token":"exec-%s","expirationTimestamp":"{expiry}"}}}}\' "$n"\n'
+    )
+    plugin.chmod(0o755)
+    config = {
+        "apiVersion": "v1",
+        "kind": "Config",
+        "current-context": "c",
+        "contexts": [{"name": "c", "context": {"cluster": "k", "user": "u"}}],
+        "clusters": [{"name": "k", "cluster": {"server": server}}],
+        "users": [
+            {
+                "name": "u",
+                "user": {
+                    "exec": {
+                        "apiVersion": "client.authentication.k8s.io/v1",
+                        "command": str(plugin),
+                        "interactiveMode": "Never",
+                    }
+                },
+            }
+        ],
+    }
+    path = tmp_path / "kubeconfig"
+    path.write_text(yaml.safe_dump(config))
+    return path
+
+
+async def test_an_exec_credential_plugins_token_reaches_the_api_server(
+    api: tuple[FakeApiServer, str], tmp_path: Path
+) -> None:
+    server, api_url = api
+    server.slices["d1"] = endpoint_slice("d1", [("127.0.0.1", {"ready": True})])
+    access = kubeconfig_access(str(_exec_kubeconfig(tmp_path, api_url, "2999-01-01T00:00:00Z")))
+    updates: list[tuple[str, set[str], set[str]]] = []
+    discovery = KubernetesDiscovery(access, "serving", {"decode": "llama-decode"}, 8000)
+    task = asyncio.create_task(discovery.run(lambda pool, ready, term: updates.append((pool, ready, term))))
+    try:
+        await wait_until(lambda: updates and len(server.authorization) >= 2)  # listed, then watching
+        assert updates[-1] == ("decode", {"http://127.0.0.1:8000"}, set())
+        # The plugin ran once: its token is still valid, so list and watch both carry it.
+        assert server.authorization[:2] == ["Bearer exec-1", "Bearer exec-1"]
+    finally:
+        task.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await task
+
+
+def test_an_expired_exec_credential_is_fetched_again(tmp_path: Path) -> None:
+    access = kubeconfig_access(str(_exec_kubeconfig(tmp_path, "http://127.0.0.1:1", "2000-01-01T00:00:00Z")))
+    first = access.headers()["Authorization"]
+    second = access.headers()["Authorization"]
+    assert first.startswith("Bearer exec-") and second.startswith("Bearer exec-")
+    assert first != second, "an expired token must be replaced by the plugin's next one"
+
+
+def test_a_missing_kubeconfig_is_one_line() -> None:
+    with pytest.raises(RuntimeError, match="kubeconfig /no/such/kubeconfig") as error:
+        kubeconfig_access("/no/such/kubeconfig")
+    assert "\n" not in str(error.value)
+
+
+@pytest.mark.parametrize(
+    ("stored", "header"),
+    [
+        ("Bearer abc", "Bearer abc"),
+        ("bearer abc\n", "Bearer abc"),  # the in-cluster loader's spelling, token file's newline included
+        ("abc", "Bearer abc"),
+        ("Basic dTpw", "Basic dTpw"),
+        ("", None),
+        (None, None),
+    ],
+)
+def test_the_clients_stored_key_becomes_one_authorization_header(stored: str | None, header: str | None) -> None:
+    assert authorization_header(stored) == header

@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from splitserve.sim import SimWorker
-from tests.router.conftest import router_config, running_router, sim_config
+from testkit.router import router_config, running_router, sim_config
 
 BAD_BODIES: list[tuple[str, bytes, int, str]] = [
     ("not json", b"{this is not json", 400, "invalid_json"),

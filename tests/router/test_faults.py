@@ -10,7 +10,8 @@ import pytest
 
 from splitserve.router.config import RouterConfig
 from splitserve.sim import SimWorker
-from tests.router.conftest import fault, metric_value, router_config, running_router, sim_config, wait_until
+from testkit.router import metric_value, router_config, running_router, sim_config
+from tests.router.conftest import fault, wait_until
 
 
 async def _post(url: str, body: dict[str, object]) -> tuple[int, bytes, dict[str, str]]:

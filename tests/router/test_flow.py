@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from splitserve.sim import SimWorker
-from tests.router.conftest import metric_value, router_config, running_router, sim_config
+from testkit.router import metric_value, router_config, running_router, sim_config
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "workers" / "router" / "METRICS.md"
 

@@ -20,9 +20,11 @@ from splitserve.local.ports import free_port
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubeAccess, KubernetesDiscovery
 from splitserve.sim import SimWorker
-from tests.emulator.server import running_emulator
-from tests.router.conftest import router_config, running_router, sim_config, wait_until
-from tests.router.test_scale_down import SLICES, endpoint_slice, one_request
+from testkit.emulator.server import running_emulator
+from testkit.rigs.slices import endpoint_slice
+from testkit.router import router_config, running_router, sim_config
+from tests.router.conftest import wait_until
+from tests.router.test_scale_down import SLICES, one_request
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "serving"

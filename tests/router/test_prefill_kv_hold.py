@@ -32,7 +32,8 @@ import pytest
 from splitserve.router.app import Router
 from splitserve.sim import SimConfig, SimWorker
 from splitserve.sim.engine import SimEngine
-from tests.router.conftest import metric_value, router_config, running_router, sim_config, wait_until
+from testkit.router import metric_value, router_config, running_router, sim_config
+from tests.router.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 PROMPT = "shared system prompt " * 60  # well over the disaggregation threshold

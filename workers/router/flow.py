@@ -43,7 +43,11 @@ KV_ERROR_MARKERS = (b"kv_transfer", b"kv transfer", b"kv cache transfer", b"remo
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
 
 
-class Mode(enum.StrEnum):
+class Handling(enum.StrEnum):
+    """How the router served one request (not the deployment's serving mode, api.spec.Mode): split
+    into prefill and decode legs, whole on decode, whole on decode after the split failed, or not at
+    all. The `mode` label of splitserve_router_requests_total and of the request log carries it."""
+
     DISAGGREGATED = "disaggregated"
     AGGREGATED = "aggregated"
     FALLBACK = "fallback"
@@ -72,7 +76,7 @@ class RequestContext:
     routing: RoutingRequest
     started: float
     forward_headers: dict[str, str] = field(default_factory=dict)
-    mode: Mode = Mode.NONE
+    handling: Handling = Handling.NONE
     outcome: Outcome = Outcome.SUCCESS
     # For the per-request log record.
     prefill_url: str | None = None
@@ -155,7 +159,7 @@ class Flow:
                 except _KvMissing:
                     # Not the worker's fault: run it aggregated on the same worker.
                     self._metrics.fallbacks.labels("decode_kv_error").inc()
-                    ctx.mode = Mode.FALLBACK
+                    ctx.handling = Handling.FALLBACK
                     ctx.fallback_reason = "decode_kv_error"
                     kv_params = None
                 except _Retriable as failure:
@@ -185,12 +189,12 @@ class Flow:
     # ---- prefill ----------------------------------------------------------------------------
 
     async def _maybe_prefill(self, ctx: RequestContext) -> dict[str, Any] | None:
-        """kv_transfer_params for decode, or None to serve aggregated (ctx.mode says why)."""
+        """kv_transfer_params for decode, or None to serve aggregated (ctx.handling says why)."""
         if not self._has_prefill_pool:
-            ctx.mode = Mode.AGGREGATED
+            ctx.handling = Handling.AGGREGATED
             return None
         if ctx.routing.prompt_tokens < self._config.disagg_threshold_tokens:
-            ctx.mode = Mode.AGGREGATED
+            ctx.handling = Handling.AGGREGATED
             return None
         if not self._prefill.has_healthy:
             return self._fallback(ctx, "prefill_unavailable")
@@ -221,13 +225,13 @@ class Flow:
             self._prefill.record_success(worker)
             if params is None:
                 return self._fallback(ctx, "prefill_no_kv_params")
-            ctx.mode = Mode.DISAGGREGATED
+            ctx.handling = Handling.DISAGGREGATED
             return params
         return self._fallback(ctx, "prefill_failed")
 
     def _fallback(self, ctx: RequestContext, reason: str) -> dict[str, Any] | None:
         self._metrics.fallbacks.labels(reason).inc()
-        ctx.mode = Mode.FALLBACK
+        ctx.handling = Handling.FALLBACK
         ctx.fallback_reason = reason
         return None
 

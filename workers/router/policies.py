@@ -42,7 +42,10 @@ class RoutingRequest:
     block_hashes: tuple[int, ...] = ()
 
 
-class RoutingPolicy(Protocol):
+class WorkerChooser(Protocol):
+    """What each routing policy is: it picks one worker of a pool for a request. (The spec's choice of
+    policy by name is api.spec.RoutingPolicy; make_policy turns that name into one of these.)"""
+
     name: str
 
     def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
@@ -190,7 +193,7 @@ class PolicyName(enum.StrEnum):
     KV_AWARE = "kv-aware"
 
 
-POLICY_FACTORIES: dict[PolicyName, Callable[[], RoutingPolicy]] = {
+POLICY_FACTORIES: dict[PolicyName, Callable[[], WorkerChooser]] = {
     PolicyName.ROUND_ROBIN: RoundRobin,
     PolicyName.LEAST_LOADED: LeastLoaded,
     PolicyName.PREFIX_AWARE: PrefixAware,
@@ -198,7 +201,7 @@ POLICY_FACTORIES: dict[PolicyName, Callable[[], RoutingPolicy]] = {
 }
 
 
-def make_policy(name: str) -> RoutingPolicy:
+def make_policy(name: str) -> WorkerChooser:
     """A fresh policy by its CLI name; ValueError names the valid ones."""
     try:
         policy_name = PolicyName(name)

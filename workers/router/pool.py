@@ -20,7 +20,7 @@ import aiohttp
 
 from splitserve.router import errors
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policies import KvAware, PrefixAware, RoutingPolicy, RoutingRequest
+from splitserve.router.policies import KvAware, PrefixAware, RoutingRequest, WorkerChooser
 from splitserve.router.upstream import HttpPool
 
 log = logging.getLogger(__name__)
@@ -97,7 +97,7 @@ class WorkerPool:
     def __init__(
         self,
         name: str,
-        policy: RoutingPolicy,
+        policy: WorkerChooser,
         metrics: RouterMetrics,
         budget: AdmissionBudget,
         *,

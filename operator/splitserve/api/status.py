@@ -6,6 +6,8 @@ RouterReady the way KServe rolls its per-workload conditions. There is no `phase
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
 from enum import StrEnum
 from typing import Literal
 
@@ -114,3 +116,25 @@ class InferenceDeploymentStatus(ApiModel):
     diagnosis: DiagnosisStatus | None = None
     optimization: list[OptimizationEvent] = Field(default_factory=list, max_length=20)
     autopilot: AutopilotStatus | None = None
+
+
+@dataclass(frozen=True)
+class Problem:
+    """Why the spec cannot be realised right now (sets Degraded=True)."""
+
+    reason: str  # CamelCase, e.g. MissingSecret
+    message: str
+
+
+def merge_condition(existing: Sequence[Condition], new: Condition) -> list[Condition]:
+    """Replace the condition of the same type, keeping lastTransitionTime if status is unchanged."""
+    result = []
+    for condition in existing:
+        if condition.type == new.type:
+            if condition.status == new.status:
+                new = new.model_copy(update={"last_transition_time": condition.last_transition_time})
+            continue
+        result.append(condition)
+    result.append(new)
+    order = {str(kind): index for index, kind in enumerate(ConditionType)}
+    return sorted(result, key=lambda c: order.get(c.type, len(order)))

@@ -1,6 +1,6 @@
 """The autoscaling decision: pure, deterministic, no I/O, no clocks, no globals.
 
-`decide(spec, current, signals, state, now)` → `Decision` (desired replicas per pool, a reason
+`decide_replicas(spec, current, signals, state, now)` → `Decision` (desired replicas per pool, a reason
 string per pool, and the next `AutoscalerState`). The operator keeps the state between calls
 (in memory or as JSON in an annotation); nothing else is remembered.
 
@@ -64,8 +64,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from splitserve.api.spec import InferenceDeploymentSpec, PoolSpec, Role
-from splitserve.autoscaling.signals import Pool, PoolSignals, autoscaled_pools
-from splitserve.builders.vllm_args import role_pool
+from splitserve.api.topology import role_pool
+from splitserve.autoscaling.queries import Pool, PoolSignals, autoscaled_pools
 
 STATE_VERSION = 1
 # Runs of equal recommendations are stored once, so this only bounds pathological churn.
@@ -415,7 +415,7 @@ def _pool_spec(spec: InferenceDeploymentSpec, pool: Pool) -> PoolSpec:
 
 @dataclass
 class _Working:
-    """Mutable scratch for one pool inside one decide() call (never escapes it)."""
+    """Mutable scratch for one pool inside one decide_replicas() call (never escapes it)."""
 
     pool: Pool
     current: int
@@ -430,7 +430,7 @@ class _Working:
     backlog: float
 
 
-def decide(
+def decide_replicas(
     spec: InferenceDeploymentSpec,
     current: Mapping[str, int],
     signals: Mapping[Pool, PoolSignals | None] | Mapping[str, PoolSignals | None],

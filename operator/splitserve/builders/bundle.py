@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.autoscaling.keda import autoscaler_objects
+from splitserve.api.topology import worker_roles
+from splitserve.builders.autoscalers import autoscaler_objects
+from splitserve.builders.disruption import build_pdbs
 from splitserve.builders.monitoring import build_monitors
-from splitserve.builders.naming import Target, metadata, worker_roles
-from splitserve.builders.policies import build_network_policy, build_pdbs
+from splitserve.builders.network import build_network_policy
 from splitserve.builders.router import build_router_deployment, build_router_rbac, build_router_service
 from splitserve.builders.services import build_worker_services
+from splitserve.builders.target import Target, metadata
 from splitserve.builders.workers import build_worker_deployment
 
 

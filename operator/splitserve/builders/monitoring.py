@@ -8,15 +8,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from splitserve.builders.naming import (
-    LABEL_DEPLOYMENT,
-    LABEL_ROLE,
-    ROUTER_ROLE,
-    WORKER_HTTP_PORT_NAME,
-    Target,
-    metadata,
-    router_name,
-)
+from splitserve.api.topology import LABEL_DEPLOYMENT, LABEL_ROLE, ROUTER_ROLE, WORKER_HTTP_PORT_NAME, router_name
+from splitserve.builders.target import Target, metadata
 
 
 def _relabelings() -> list[dict[str, Any]]:

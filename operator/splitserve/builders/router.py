@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
-from splitserve.builders.naming import (
+from splitserve.api.topology import (
     ROUTER_ROLE,
-    Target,
     decode_service_name,
-    metadata,
     pod_labels,
     prefill_service_name,
     router_name,
     selector_labels,
 )
+from splitserve.builders.target import Target, metadata
 
 ROUTER_CONTAINER_PORT = 8000
 # The router runs the operator image, whose non-root user has these ids (deploy/images/Dockerfile.operator;
@@ -22,21 +22,18 @@ ROUTER_CONTAINER_PORT = 8000
 IMAGE_USER_ID = 10001
 
 
-def router_args(target: Target) -> list[str]:
-    """The `splitserve router` command line; discovery watches the pools' EndpointSlices."""
-    spec: InferenceDeploymentSpec = target.spec
+def router_args(spec: InferenceDeploymentSpec, *, host: str, port: int, workers: Sequence[str]) -> list[str]:
+    """The flags of `splitserve router` for a deployment: where it listens, the model it serves, then
+    `workers` (where the workers are: discovery in a cluster, static URLs locally), then the routing
+    policies, admission and timeouts of `spec.router`. The Deployment's container and `splitserve up`
+    both start the router with these."""
     router = spec.router
     timeouts = router.timeouts
-    args = [
-        "router",
-        "--host=0.0.0.0",
-        f"--port={ROUTER_CONTAINER_PORT}",
+    return [
+        f"--host={host}",
+        f"--port={port}",
         f"--model={spec.model.name}",
-        "--discovery=kubernetes",
-        f"--namespace={target.owner.namespace}",
-        *([f"--prefill-service={prefill_service_name(target.owner.name)}"] if spec.mode == Mode.DISAGGREGATED else []),
-        f"--decode-service={decode_service_name(target.owner.name)}",
-        f"--worker-port={spec.engine.port}",
+        *workers,
         f"--prefill-policy={router.routing_policy.prefill}",
         f"--decode-policy={router.routing_policy.decode}",
         f"--queue-limit={router.admission_queue_limit}",
@@ -47,7 +44,25 @@ def router_args(target: Target) -> list[str]:
         f"--request-timeout={timeouts.request_seconds:g}",
         f"--disagg-threshold-tokens={router.disaggregation_threshold_tokens}",
     ]
-    return args
+
+
+def kubernetes_discovery_args(target: Target) -> list[str]:
+    """Where the router in a cluster finds the workers: the pools' EndpointSlices, watched live."""
+    spec = target.spec
+    name = target.owner.name
+    return [
+        "--discovery=kubernetes",
+        f"--namespace={target.owner.namespace}",
+        *([f"--prefill-service={prefill_service_name(name)}"] if spec.mode == Mode.DISAGGREGATED else []),
+        f"--decode-service={decode_service_name(name)}",
+        f"--worker-port={spec.engine.port}",
+    ]
+
+
+def router_container_args(target: Target) -> list[str]:
+    """The router container's args (after its `splitserve` command)."""
+    workers = kubernetes_discovery_args(target)
+    return ["router", *router_args(target.spec, host="0.0.0.0", port=ROUTER_CONTAINER_PORT, workers=workers)]
 
 
 def build_router_deployment(target: Target) -> dict[str, Any]:
@@ -59,7 +74,7 @@ def build_router_deployment(target: Target) -> dict[str, Any]:
         "image": spec.router.image or target.images.router,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["splitserve"],
-        "args": router_args(target),
+        "args": router_container_args(target),
         "ports": [{"name": "http", "containerPort": ROUTER_CONTAINER_PORT, "protocol": "TCP"}],
         "resources": {
             "requests": {"cpu": str(spec.router.cpu), "memory": str(spec.router.memory)},

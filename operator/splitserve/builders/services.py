@@ -5,16 +5,15 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.api.spec import Mode, Role
-from splitserve.builders.naming import (
+from splitserve.api.topology import (
     LABEL_DEPLOYMENT,
     LABEL_ROLE,
     LABEL_SERVES_DECODE,
     WORKER_HTTP_PORT_NAME,
-    Target,
     decode_service_name,
-    metadata,
     prefill_service_name,
 )
+from splitserve.builders.target import Target, metadata
 
 
 def _headless(target: Target, name: str, component: str, selector: dict[str, str]) -> dict[str, Any]:

@@ -8,17 +8,18 @@ from __future__ import annotations
 
 import json
 import posixpath
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
+from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
+from splitserve.api.topology import role_pool
 
 # Where the operator mounts a model PVC inside worker pods.
 MODEL_MOUNT_PATH = "/models"
 # Without an explicit KV cache size, vLLM-CPU sizes the cache from the NUMA node it pins to and
 # start-up fails when several instances share the machine; 256 MiB holds ~2k tokens of the tiny model.
 CPU_DEFAULT_KV_CACHE_BYTES = "256M"
-CPU_BLOCK_SIZE = 128
 
 # vLLM's KV connector roles.
 KV_PRODUCER = "kv_producer"
@@ -46,11 +47,6 @@ def model_location(spec: InferenceDeploymentSpec) -> str:
     if source.uri is not None:
         return source.uri
     raise ValueError("model.source needs exactly one of huggingFace, pvc or uri")
-
-
-def role_pool(spec: InferenceDeploymentSpec, role: Role) -> PoolSpec:
-    """The pool whose settings a role runs with; an aggregated engine uses the decode pool."""
-    return spec.prefill if role == Role.PREFILL else spec.decode
 
 
 def _json(value: dict[str, Any]) -> str:
@@ -109,6 +105,64 @@ def kv_transfer_config(spec: InferenceDeploymentSpec, role: Role, *, cpu: bool =
     raise ValueError(f"unknown KV connector {connector!r}")
 
 
+# --------------------------------------------------------------------------- argument lists
+
+
+def option_value(args: Sequence[str], name: str) -> str | None:
+    """The value of `name` (`--x v` or `--x=v`); the last one wins, as in argparse."""
+    value = None
+    for index, arg in enumerate(args):
+        if arg == name and index + 1 < len(args):
+            value = args[index + 1]
+        elif arg.startswith(name + "="):
+            value = arg[len(name) + 1 :]
+    return value
+
+
+def with_option(args: Sequence[str], name: str, value: str) -> list[str]:
+    """`args` with every `name` set to `value`, or `name value` appended when absent."""
+    result: list[str] = []
+    found = False
+    skip = False
+    for index, arg in enumerate(args):
+        if skip:
+            skip = False
+            continue
+        if arg == name and index + 1 < len(args):
+            result += [name, value]
+            found = skip = True
+        elif arg.startswith(name + "="):
+            result.append(f"{name}={value}")
+            found = True
+        else:
+            result.append(arg)
+    return result if found else [*result, name, value]
+
+
+def has_flag(args: Sequence[str], name: str) -> bool:
+    return any(arg == name or arg.startswith(name + "=") for arg in args)
+
+
+def cpu_engine_args(args: Sequence[str], kv_cache_memory_bytes: str | None = None) -> list[str]:
+    """vLLM arguments made runnable on vLLM-CPU: eager mode and an explicit KV cache size.
+
+    Adds only what is missing: `--enforce-eager`, and `--kv-cache-memory-bytes` (set to
+    `kv_cache_memory_bytes` when given, else kept when present, else CPU_DEFAULT_KV_CACHE_BYTES).
+    The spec builder (`build_engine_launch(cpu=True)`) and `splitserve worker --cpu -- ARGS` both use it.
+    """
+    result = list(args)
+    if not has_flag(result, "--enforce-eager"):
+        result.append("--enforce-eager")
+    if kv_cache_memory_bytes:
+        result = with_option(result, "--kv-cache-memory-bytes", kv_cache_memory_bytes)
+    elif not has_flag(result, "--kv-cache-memory-bytes"):
+        result += ["--kv-cache-memory-bytes", CPU_DEFAULT_KV_CACHE_BYTES]
+    return result
+
+
+# --------------------------------------------------------------------------- the spec's command line
+
+
 def _flag(name: str, enabled: bool) -> str:
     return f"--{name}" if enabled else f"--no-{name}"
 
@@ -157,7 +211,7 @@ def build_engine_launch(
     if speculative is not None:
         args += ["--speculative-config", _json(speculative)]
     if cpu:
-        args += ["--enforce-eager", "--kv-cache-memory-bytes", kv_cache_memory_bytes or CPU_DEFAULT_KV_CACHE_BYTES]
+        args = cpu_engine_args(args, kv_cache_memory_bytes)
     else:
         args += ["--gpu-memory-utilization", str(engine.gpu_memory_utilization)]
         if kv_cache_memory_bytes is not None:

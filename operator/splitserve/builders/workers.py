@@ -9,17 +9,17 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
-from splitserve.builders.naming import (
+from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
     KV_SIDE_CHANNEL_PORT_NAME,
     WORKER_HTTP_PORT_NAME,
-    Target,
-    metadata,
     pod_labels,
     pool_name,
+    role_pool,
     selector_labels,
 )
-from splitserve.builders.vllm_args import MODEL_MOUNT_PATH, build_engine_launch, role_pool
+from splitserve.builders.target import Target, metadata
+from splitserve.builders.vllm_args import MODEL_MOUNT_PATH, build_engine_launch
 
 HF_CACHE_PATH = "/var/cache/huggingface"
 # Time for the router's EndpointSlice watch to see a terminating pod before the engine stops

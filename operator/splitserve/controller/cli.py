@@ -30,7 +30,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import kopf  # imported here: `splitserve crd` and friends should not pay for it
 
-    from splitserve.controller.autopilot_loop import AutopilotSettings
+    from splitserve.controller.loops.autopilot import AutopilotSettings
 
     try:  # the handlers read these at import; a typo must be one clear line, not a traceback
         AutopilotSettings.from_environment()

@@ -1,16 +1,18 @@
 """Thin kopf handlers. All the logic lives in Reconciler; these only route events to it.
 
+- indexes: the InferenceDeployments and every kind of child, fed by kopf's watches, are the cache the
+  reconciler and the loops read (controller.cache): no handler GETs what a watch already shows;
 - create / update / resume of an InferenceDeployment: full reconcile (with pruning);
-- any event of a child Deployment or Service (labelled with its owner): reconcile the owner,
-  which restores a child deleted or edited by hand and rolls its status up;
-- a slow timer: the same reconcile, catching drift on kinds that are not watched (RBAC, PDBs);
+- any event of a child (labelled with its owner): a coalesced reconcile of the owner, which restores
+  a child deleted or edited by hand and rolls its status up;
+- a slow timer: the same reconcile from the cache, catching drift missed by nothing in particular;
 - the built-in autoscaler (a daemon), the diagnosis (a slow timer) and, only while
   spec.optimization.dynamic is on, the autopilot (a timer, SPLITSERVE_AUTOPILOT_* knobs).
 """
 
 from __future__ import annotations
 
-import contextlib
+import copy
 import logging
 import os
 import time
@@ -20,16 +22,21 @@ from typing import Any
 import kopf
 
 from splitserve.api.base import API_GROUP, API_VERSION, PLURAL
+from splitserve.api.topology import FIELD_MANAGER, LABEL_DEPLOYMENT
 from splitserve.autoscaling.decision import AutoscalerState
-from splitserve.autoscaling.prometheus import PrometheusClient
-from splitserve.builders.naming import FIELD_MANAGER, LABEL_DEPLOYMENT, Images
-from splitserve.controller.autopilot_loop import AutopilotSettings, new_samples, optimize_once
-from splitserve.controller.kube import KubeClient, load_access
+from splitserve.builders.target import Images
+from splitserve.controller.coalesce import Coalescer
+from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
+from splitserve.controller.loops.autoscaler import autoscale_once, builtin_autoscaling
+from splitserve.controller.loops.diagnosis import diagnose_once
 from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.reconcile import Reconciler, RetryLater
-from splitserve.controller.timers import autoscale_once, builtin_autoscaling, diagnose_once
+from splitserve.io.kube import KubeClient, load_access
+from splitserve.io.prometheus import PrometheusClient, shared_http_client
 
-DRIFT_INTERVAL_SECONDS = 60.0
+DRIFT_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DRIFT_INTERVAL_SECONDS", "60"))
+# Child events closer together than this make one reconcile of their owner.
+COALESCE_SECONDS = float(os.environ.get("SPLITSERVE_COALESCE_SECONDS", "0.2"))
 # Diagnosis reads minutes of telemetry; more often would only repeat itself. Tests shorten it.
 DIAGNOSIS_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS", "300"))
 # One telemetry sample per run; the policy's windows are what make evidence "sustained". Tests shorten all.
@@ -39,6 +46,59 @@ CHILD_FILTER: dict[str, Any] = {
     LABEL_DEPLOYMENT: kopf.PRESENT,
     "app.kubernetes.io/managed-by": FIELD_MANAGER,
 }
+
+
+# Every kind the builders emit, watched (and indexed) by owner. Kinds whose CRD is absent (KEDA,
+# prometheus-operator) are simply not served by kopf until it appears.
+CHILD_KINDS: list[tuple[str, str, str]] = [
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("monitoring.coreos.com", "v1", "servicemonitors"),
+    ("monitoring.coreos.com", "v1", "podmonitors"),
+    ("keda.sh", "v1alpha1", "scaledobjects"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+]
+
+
+def _plain(body: kopf.Body) -> dict[str, Any]:
+    """A plain copy of a watched object: kopf's Body is a live view and must not be kept."""
+    plain: dict[str, Any] = copy.deepcopy(dict(body))
+    return plain
+
+
+@kopf.index(API_GROUP, API_VERSION, PLURAL)
+async def inference_deployments(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Any]:
+    return {(namespace, name): _plain(body)}
+
+
+async def _index_children(
+    body: kopf.Body, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> dict[Any, Any]:
+    owner = labels[LABEL_DEPLOYMENT]
+    # Every change of a child asks for one (coalesced) reconcile of its owner. Done here rather than in
+    # an event handler: kopf runs indexers on every event without a handler's bookkeeping and log line.
+    reconciler: Reconciler | None = memo.get("reconciler")
+    if namespace is not None and reconciler is not None and reconciler.cache.synced:
+        memo.coalescer.request(namespace, owner)
+    return {(namespace, owner): _plain(body)}
+
+
+# One index fed by every child kind (kopf merges what handlers of the same id return).
+for _group, _version, _plural in CHILD_KINDS:
+    kopf.index(_group, _version, _plural, labels=CHILD_FILTER, id="owned_children")(_index_children)
+
+
+def _bind(memo: kopf.Memo, kwargs: Mapping[str, Any]) -> Reconciler:
+    """The reconciler, reading kopf's current indexes (handed to every handler as keyword arguments)."""
+    reconciler: Reconciler = memo.reconciler
+    reconciler.cache.bind(kwargs["inference_deployments"], kwargs["owned_children"])
+    reconciler.cache.synced = True  # kopf runs no handler before every index is listed
+    return reconciler
 
 
 def _post_event(body: Mapping[str, Any], kind: str, reason: str, message: str) -> None:
@@ -60,17 +120,24 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.batching.error_delays = [1, 2, 5, 10, 20, 30]
     # `splitserve operator` puts its metrics (served on --metrics-port) into the memo.
     metrics = memo.get("metrics") or OperatorMetrics()
-    memo.reconciler = Reconciler(KubeClient(load_access()), _post_event, Images.from_environment(), metrics)
+    reconciler = Reconciler(KubeClient(load_access()), _post_event, Images.from_environment(), metrics)
+    memo.reconciler = reconciler
+    memo.prometheus_http = shared_http_client()
+    memo.coalescer = Coalescer(
+        lambda namespace, name: reconciler.reconcile_by_name(namespace, name, prune=False), COALESCE_SECONDS
+    )
 
 
 @kopf.on.cleanup()
 async def close(memo: kopf.Memo, **_: Any) -> None:
+    await memo.coalescer.aclose()
+    await memo.prometheus_http.aclose()
     await memo.reconciler.kube.aclose()
 
 
-async def _run(reconciler: Reconciler, body: Mapping[str, Any], *, prune: bool) -> None:
+async def _run(reconciler: Reconciler, body: Mapping[str, Any], *, prune: bool, prerequisites: bool = True) -> None:
     try:
-        await reconciler.reconcile(body, prune=prune)
+        await reconciler.reconcile(body, prune=prune, prerequisites=prerequisites)
     except RetryLater as retry:
         raise kopf.TemporaryError(str(retry), delay=retry.delay) from retry
 
@@ -78,23 +145,31 @@ async def _run(reconciler: Reconciler, body: Mapping[str, Any], *, prune: bool) 
 @kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.create(API_GROUP, API_VERSION, PLURAL)
 @kopf.on.update(API_GROUP, API_VERSION, PLURAL)
-async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await _run(memo.reconciler, body, prune=True)
+async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    await _run(_bind(memo, kwargs), _plain(body), prune=True)
 
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=DRIFT_INTERVAL_SECONDS, initial_delay=DRIFT_INTERVAL_SECONDS)
-async def drift_timer(body: kopf.Body, memo: kopf.Memo, **_: Any) -> None:
-    await _run(memo.reconciler, body, prune=True)
+async def drift_timer(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
+    await _run(_bind(memo, kwargs), _plain(body), prune=True, prerequisites=False)
 
 
-@kopf.on.event("apps", "v1", "deployments", labels=CHILD_FILTER)
-@kopf.on.event("", "v1", "services", labels=CHILD_FILTER)
-async def child_event(labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **_: Any) -> None:
+def _deleted(type: str | None, **_: Any) -> bool:
+    return type == "DELETED"
+
+
+async def child_deleted(
+    body: kopf.Body, labels: kopf.Labels, namespace: str | None, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A child deleted (by hand, or by us): the owner's reconcile restores it if it is still wanted."""
     if namespace is None:
         return
-    # The owner's own handler retries a RetryLater; a child event must not start a second retry loop.
-    with contextlib.suppress(RetryLater):
-        await memo.reconciler.reconcile_by_name(namespace, labels[LABEL_DEPLOYMENT], prune=False)
+    _bind(memo, kwargs).cache.gone(body)
+    memo.coalescer.request(namespace, labels[LABEL_DEPLOYMENT])
+
+
+for _group, _version, _plural in CHILD_KINDS:
+    kopf.on.event(_group, _version, _plural, labels=CHILD_FILTER, when=_deleted, id="child_deleted")(child_deleted)
 
 
 def _builtin_autoscaling(spec: kopf.Spec, **_: Any) -> bool:
@@ -103,7 +178,7 @@ def _builtin_autoscaling(spec: kopf.Spec, **_: Any) -> bool:
 
 @kopf.daemon(API_GROUP, API_VERSION, PLURAL, when=_builtin_autoscaling, cancellation_timeout=10)
 async def autoscaler(
-    stopped: kopf.DaemonStopped, namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any
+    stopped: kopf.DaemonStopped, namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """The built-in autoscaler: one evaluation every spec.autoscaling.intervalSeconds."""
     if namespace is None:
@@ -117,8 +192,8 @@ async def autoscaler(
             if client is None or wanted != url:
                 if client is not None:
                     await client.aclose()
-                url, client = wanted, PrometheusClient(wanted)
-            state = await autoscale_once(memo.reconciler, namespace, name, state, client)
+                url, client = wanted, PrometheusClient(wanted, http=memo.prometheus_http)
+            state = await autoscale_once(_bind(memo, kwargs), namespace, name, state, client)
             await stopped.wait(float(spec.get("autoscaling", {}).get("intervalSeconds", 15)))
     finally:
         if client is not None:
@@ -126,13 +201,13 @@ async def autoscaler(
 
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=DIAGNOSIS_INTERVAL_SECONDS, initial_delay=5)
-async def diagnosis_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+async def diagnosis_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any) -> None:
     """The six-question diagnosis, written to status.diagnosis on a slow timer."""
     if namespace is None:
         return
     url = str(spec.get("autoscaling", {}).get("prometheusUrl", ""))
-    async with PrometheusClient(url) as client:
-        await diagnose_once(memo.reconciler, namespace, name, client)
+    async with PrometheusClient(url, http=memo.prometheus_http) as client:
+        await diagnose_once(_bind(memo, kwargs), namespace, name, client)
 
 
 def _dynamic(spec: kopf.Spec, **_: Any) -> bool:
@@ -140,7 +215,7 @@ def _dynamic(spec: kopf.Spec, **_: Any) -> bool:
 
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=AUTOPILOT.interval_s, initial_delay=1, when=_dynamic)
-async def autopilot_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **_: Any) -> None:
+async def autopilot_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any) -> None:
     """Dynamic optimization: one sample, one decision, at most one change (spec.optimization.dynamic)."""
     if namespace is None:
         return
@@ -148,5 +223,7 @@ async def autopilot_timer(namespace: str | None, name: str, spec: kopf.Spec, mem
     if "autopilot_samples" not in memo:
         memo["autopilot_samples"] = new_samples(AUTOPILOT)
     url = str(spec.get("autoscaling", {}).get("prometheusUrl", ""))
-    async with PrometheusClient(url) as client:
-        await optimize_once(memo.reconciler, namespace, name, client, memo["autopilot_samples"], time.time(), AUTOPILOT)
+    async with PrometheusClient(url, http=memo.prometheus_http) as client:
+        await optimize_once(
+            _bind(memo, kwargs), namespace, name, client, memo["autopilot_samples"], time.time(), AUTOPILOT
+        )

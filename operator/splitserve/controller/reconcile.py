@@ -1,11 +1,18 @@
-"""Level-based reconcile of one InferenceDeployment: desired children applied, strays pruned,
-status rolled up. Called by the kopf handlers for create/update/resume, by child events and by
-a drift timer; it is idempotent, so it does not matter which of them runs it or how often.
+"""Level-based reconcile of one InferenceDeployment: read → plan → build → apply.
+
+- read: the CR and its children from the watch-fed cache (controller.cache), no API call;
+- plan and build: the served spec, the desired children (builders) and every write, pure (controller.plan);
+- apply: only the writes the plan holds, each answer put back into the cache.
+
+Called by the kopf handlers for create/update/resume, by (coalesced) child events and by a drift
+timer; it is idempotent, so it does not matter which of them runs it or how often. A no-op
+reconcile makes no API call at all.
 """
 
 from __future__ import annotations
 
 import asyncio
+import copy
 import datetime
 import logging
 from collections.abc import Awaitable, Callable, Mapping
@@ -14,56 +21,36 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
-from splitserve.api.status import AutopilotStatus, Condition, ConditionType, InferenceDeploymentStatus
+from splitserve.api.base import API_GROUP, API_VERSION, KIND
+from splitserve.api.spec import InferenceDeploymentSpec, Mode
+from splitserve.api.status import InferenceDeploymentStatus, Problem
+from splitserve.api.topology import SCALE_FIELD_MANAGER, Owner
 from splitserve.builders.bundle import build_children, child_key
-from splitserve.builders.naming import (
-    ANNOTATION_DECLARED_REPLICAS,
-    LABEL_DEPLOYMENT,
-    LABEL_ROLE,
-    ROUTER_ROLE,
-    SCALE_FIELD_MANAGER,
-    Images,
-    Owner,
-    Target,
-    pool_name,
-    prefill_service_name,
-    router_endpoint,
-    router_name,
-    worker_roles,
-)
-from splitserve.builders.vllm_args import role_pool
-from splitserve.controller.drift import contains
-from splitserve.controller.effective import active_overrides, declared, effective_spec, merge_patch_between
-from splitserve.controller.kube import KubeClient, KubeError
+from splitserve.builders.target import Images, Target
+from splitserve.controller.cache import ClusterCache
 from splitserve.controller.metrics import OperatorMetrics
-from splitserve.controller.rollup import PoolObservation, Problem, merge_condition, roll_up
-from splitserve.diagnosis.findings import DiagnosisInput
-from splitserve.diagnosis.model_facts import model_facts
-from splitserve.diagnosis.questions import hardware_fit
-from splitserve.diagnosis.service import gpu_choices
+from splitserve.controller.plan import (
+    PRUNABLE_KINDS,
+    Children,
+    StatusInput,
+    Write,
+    plan_mode_switch,
+    plan_prune,
+    plan_status,
+    plan_writes,
+)
+from splitserve.diagnosis.fit import model_fit_problem
+from splitserve.io.kube import KubeClient, KubeError
+from splitserve.optimization.overrides import effective_spec, merge_patch_between, servable
 from splitserve.validation import validate_object
 
 log = logging.getLogger("splitserve.reconcile")
 
-IDEP = ("splitserve.io/v1alpha1", "InferenceDeployment")
-# Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend):
-# these are listed and pruned; the others always exist with a fixed name.
-PRUNABLE_KINDS: list[tuple[str, str]] = [
-    ("apps/v1", "Deployment"),
-    ("v1", "Service"),
-    ("policy/v1", "PodDisruptionBudget"),
-    ("monitoring.coreos.com/v1", "ServiceMonitor"),
-    ("monitoring.coreos.com/v1", "PodMonitor"),
-    ("keda.sh/v1alpha1", "ScaledObject"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"),
-]
+IDEP = (f"{API_GROUP}/{API_VERSION}", KIND)
+__all__ = ["IDEP", "PRUNABLE_KINDS", "Reconciler", "RetryLater", "read_live", "utc_now"]
 
 # Event poster: (owner body, type Normal|Warning, CamelCase reason, message).
 EventSink = Callable[[Mapping[str, Any], str, str, str], Awaitable[None] | None]
-
-
-Key = tuple[str, str, str]
 
 
 class RetryLater(Exception):
@@ -74,12 +61,10 @@ class RetryLater(Exception):
         self.delay = delay
 
 
-async def read_live(
-    kube: KubeClient, namespace: str, name: str
-) -> tuple[dict[str, Any], InferenceDeploymentSpec] | None:
+def read_live(cache: ClusterCache, namespace: str, name: str) -> tuple[dict[str, Any], InferenceDeploymentSpec] | None:
     """The object and its spec as written; None when it is gone, being deleted or invalid (the
     reconciler reports InvalidSpec, so the periodic loops just skip it)."""
-    body = await kube.get(*IDEP, namespace, name)
+    body = cache.deployment(namespace, name)
     if body is None or body["metadata"].get("deletionTimestamp"):
         return None
     try:
@@ -98,6 +83,7 @@ class Reconciler:
     post_event: EventSink
     images: Images = field(default_factory=Images)
     metrics: OperatorMetrics = field(default_factory=OperatorMetrics)
+    cache: ClusterCache = field(default_factory=ClusterCache)
     # One lock per InferenceDeployment: handlers, child events and timers never interleave on one object.
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
 
@@ -111,138 +97,174 @@ class Reconciler:
 
     # ------------------------------------------------------------------ entry points
 
-    async def reconcile(self, body: Mapping[str, Any], *, prune: bool = True) -> None:
+    async def reconcile(self, body: Mapping[str, Any], *, prune: bool = True, prerequisites: bool = True) -> None:
+        """`prerequisites`: also check the Secret and PVC the spec names (two GETs at most). Done when the
+        spec changes or the operator resumes; a child event or the drift pass does not repeat it."""
         meta = body["metadata"]
         async with self._lock(meta["namespace"], meta["name"]):
-            await self._reconcile_locked(body, prune=prune)
+            # The cache may hold a newer version than the event that started this (our own status write).
+            current = self.cache.deployment(meta["namespace"], meta["name"])
+            if current is not None and current["metadata"].get("uid") == meta.get("uid"):
+                body = {**body, "status": current.get("status") or {}}
+            await self._reconcile_locked(body, prune=prune, prerequisites=prerequisites)
 
     async def reconcile_by_name(self, namespace: str, name: str, *, prune: bool = False) -> None:
-        """For child events and timers: read the owner fresh, then reconcile it."""
-        body = await self.kube.get(*IDEP, namespace, name)
+        """For child events and timers: the owner as the cache holds it, reconciled."""
+        body = self.cache.deployment(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # deleted: garbage collection removes the children
-        await self.reconcile(body, prune=prune)
+        await self.reconcile(body, prune=prune, prerequisites=False)
 
     # ------------------------------------------------------------------ the reconcile
 
-    async def _reconcile_locked(self, body: Mapping[str, Any], *, prune: bool) -> None:
+    async def _reconcile_locked(self, body: Mapping[str, Any], *, prune: bool, prerequisites: bool) -> None:
+        # read
         meta = body["metadata"]
         owner = Owner(meta["name"], meta["namespace"], meta["uid"])
+        children = self.cache.owned(owner.namespace, owner.name)
+        # plan: is the spec servable at all?
         problems = validate_object(dict(body))
         if problems:
             message = "; ".join(f"{p.path}: {p.message}" for p in problems)
-            await self._write_status(body, None, Problem("InvalidSpec", message))
+            await self._write_status(StatusInput(body, children, None, Problem("InvalidSpec", message), utc_now()))
             await self.post(body, "Warning", "InvalidSpec", message)
             self.metrics.reconciles.labels("invalid").inc()
             return  # nothing to retry: the next spec change triggers a new reconcile
         try:
-            spec = InferenceDeploymentSpec.model_validate(body["spec"])
+            written = InferenceDeploymentSpec.model_validate(body["spec"])
         except ValidationError as error:  # the schema passed, so this is our bug; still, do not crash-loop
-            await self._write_status(body, None, Problem("InvalidSpec", str(error)))
+            await self._write_status(StatusInput(body, children, None, Problem("InvalidSpec", str(error)), utc_now()))
             return
-        written = spec
         spec, invalid = await self._effective(body, written)
 
-        missing = await self._missing_prerequisites(spec, owner.namespace)
+        def status(problem: Problem | None, serving_mode: Mode | None = None) -> StatusInput:
+            return StatusInput(body, children, spec, problem, utc_now(), written, invalid, serving_mode)
+
+        missing = await self._missing_prerequisites(spec, owner.namespace) if prerequisites else None
         if missing is not None:
-            await self._write_status(body, spec, missing, written, invalid)
+            await self._write_status(status(missing))
             await self.post(body, "Warning", missing.reason, missing.message)
             self.metrics.reconciles.labels("degraded").inc()
             raise RetryLater(missing.message, delay=10)
-
         unfit = model_fit_problem(spec)
         if unfit is not None:
             # Pods would only crash with out-of-memory while loading: apply nothing, say why.
-            await self._write_status(body, spec, unfit, written, invalid)
+            await self._write_status(status(unfit))
             await self.post(body, "Warning", unfit.reason, unfit.message)
             self.metrics.reconciles.labels("degraded").inc()
             return
-        target = Target(owner, spec, self.images)
-        desired = build_children(target)
-        failures: list[str] = []
-        for child in desired:
-            try:
-                await self._apply_child(body, spec, child)
-            except KubeError as error:
-                if error.kind_not_installed:
-                    failures.append(f"{child['kind']} is not installed in this cluster ({error.message})")
-                else:
-                    failures.append(f"{child['kind']}/{child['metadata']['name']}: {error}")
+        # build, then plan the writes against what the cache holds
+        desired = build_children(Target(owner, spec, self.images))
+        writes = plan_writes(spec, desired, children)
         # Make-before-break: after a mode switch the old pools serve until the new ones are ready.
-        kept = await self._switch_pools(body, owner, spec)
-        if prune:
-            await self._prune(owner, {child_key(child) for child in desired} | kept)
+        switch = plan_mode_switch(spec, owner, children)
+        wanted = {child_key(child) for child in desired} | switch.keep
+        # kopf starts no handler before every index has been listed, so a stray seen here is a real one.
+        strays = plan_prune(children, wanted, owner) if prune else []
+
+        # apply
+        failures = await self._perform(body, owner, writes)
+        for obj in switch.remove:
+            await self._delete(owner, obj)
+        if switch.remove:
+            names = ", ".join(f"{obj['kind']} {obj['metadata']['name']}" for obj in switch.remove)
+            await self.post(body, "Normal", "ModeSwitched", f"{spec.mode} pools are ready; removed {names} (draining)")
+        elif switch.waiting_for is not None:
+            log.info(
+                "%s/%s: keeping the previous mode's pools until %s is ready",
+                owner.namespace,
+                owner.name,
+                switch.waiting_for,
+            )
+        for obj in strays:
+            await self._delete(owner, obj)
         problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
         # While the old pools are kept they are what serves: status reports that mode until the switch ends.
         previous_mode = Mode.AGGREGATED if spec.mode == Mode.DISAGGREGATED else Mode.DISAGGREGATED
-        await self._write_status(body, spec, problem, written, invalid, serving_mode=previous_mode if kept else None)
-        self.metrics.reconciles.labels("degraded" if failures else "ok").inc()
-        if failures:
-            await self.post(body, "Warning", "ApplyFailed", problem.message if problem else "")
-            raise RetryLater(problem.message if problem else "", delay=30)
+        wrote_status = await self._write_status(
+            status(problem, previous_mode if switch.switching else None),
+            children=self.cache.owned(owner.namespace, owner.name) if writes else children,
+        )
+        changed = bool(writes or switch.remove or strays or wrote_status)
+        self.metrics.reconciles.labels("degraded" if failures else "ok" if changed else "unchanged").inc()
+        if problem is not None:
+            await self.post(body, "Warning", "ApplyFailed", problem.message)
+            raise RetryLater(problem.message, delay=30)
+
+    async def _perform(self, body: Mapping[str, Any], owner: Owner, writes: list[Write]) -> list[str]:
+        """Make the planned writes; failures come back as one line each. One Event per reason, not per child."""
+        failures: list[str] = []
+        said: dict[str, list[str]] = {}
+        for write in writes:
+            obj = write.obj
+            try:
+                await self._write(owner, write)
+            except KubeError as error:
+                if error.kind_not_installed:
+                    failures.append(f"{obj['kind']} is not installed in this cluster ({error.message})")
+                else:
+                    failures.append(f"{obj['kind']}/{obj['metadata']['name']}: {error}")
+                continue
+            if write.reason:
+                said.setdefault(write.reason, []).append(write.message)
+        for reason, messages in said.items():
+            verb = {"Created": "created", "Updated": "", "Scaled": ""}.get(reason, "")
+            text = "; ".join(messages)
+            await self.post(body, "Normal", reason, f"{verb} {text}".strip() if verb else text)
+        return failures
+
+    async def _write(self, owner: Owner, write: Write) -> None:
+        obj = dict(write.obj)
+        meta = obj["metadata"]
+        if write.verb == "create":
+            try:
+                self.cache.wrote(await self.kube.create(obj, field_manager=SCALE_FIELD_MANAGER))
+            except KubeError as error:
+                if error.status != 409:
+                    raise
+                # The cache had not seen it yet: read it once, then apply over it like any other.
+                found = await self.kube.get(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
+                if found is not None:
+                    self.cache.wrote(found)
+                without_size = {**obj, "spec": {k: v for k, v in obj["spec"].items() if k != "replicas"}}
+                self.cache.wrote((await self.kube.apply(without_size))[0])
+        elif write.verb == "apply":
+            self.cache.wrote((await self.kube.apply(obj))[0])
+        else:
+            assert write.replicas is not None
+            scale = await self.kube.scale(
+                obj["apiVersion"],
+                obj["kind"],
+                meta["namespace"],
+                meta["name"],
+                write.replicas,
+                field_manager=SCALE_FIELD_MANAGER,
+            )
+            self.cache.wrote(scaled(obj, write.replicas, scale))
+
+    async def _delete(self, owner: Owner, obj: Mapping[str, Any]) -> None:
+        api_version, kind, name = obj["apiVersion"], obj["kind"], obj["metadata"]["name"]
+        try:
+            await self.kube.delete(api_version, kind, owner.namespace, name)
+        except KubeError as error:
+            if not error.kind_not_installed:
+                raise
+        self.cache.deleted(api_version, kind, owner.namespace, name)
 
     async def _effective(
         self, body: Mapping[str, Any], spec: InferenceDeploymentSpec
     ) -> tuple[InferenceDeploymentSpec, bool]:
-        """The spec to serve: the written spec with dynamic optimization's overrides (read fresh) merged in,
-        and whether those overrides had to be ignored because the result is invalid."""
-        meta = body["metadata"]
-        fresh = await self.kube.get(*IDEP, meta["namespace"], meta["name"])
-        autopilot = ((fresh or body).get("status") or {}).get("autopilot") or {}
-        overrides = autopilot.get("overrides") or {}
+        """The spec to serve: the written spec with dynamic optimization's overrides merged in, and
+        whether those overrides had to be ignored because the result is invalid."""
+        overrides = ((body.get("status") or {}).get("autopilot") or {}).get("overrides") or {}
         if not overrides:
             return spec, False
-        try:
-            effective = effective_spec(spec, overrides)
-        except ValidationError as error:
-            effective, why = spec, str(error)
-        else:
-            problems = validate_object({**body, "spec": declared(effective)})
-            why = "; ".join(f"{p.path}: {p.message}" for p in problems)
+        why = servable(body, spec, overrides)
         if why:
-            # _write_status drops them from status, so this is said once, not on every reconcile.
+            # The status write drops them, so this is said once, not on every reconcile.
             await self.post(body, "Warning", "OptimizationInvalid", f"serving the spec as written: {why}"[:1000])
             return spec, True
-        return effective, False
-
-    async def _switch_pools(self, body: Mapping[str, Any], owner: Owner, spec: InferenceDeploymentSpec) -> set[Key]:
-        """Children of the previous mode to keep for now; removed once every new pool is ready.
-
-        Worker Deployments of roles the mode no longer has (and the prefill Service when going
-        aggregated) stay until each new pool has a ready replica (or is sized to zero). The router
-        keeps serving meanwhile: decode and aggregated workers share the decode Service, and a router
-        without prefill workers sends requests whole to decode. Deleting the old pool then lets its
-        pods leave the EndpointSlices as terminating and drain (preStop pause, then the worker's drain).
-        """
-        wanted = worker_roles(spec)
-        leftovers: list[dict[str, Any]] = []
-        for role in Role:
-            if role in wanted:
-                continue
-            found = await self.kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
-            if found is not None and _owned_by(found, owner):
-                leftovers.append(found)
-        if not leftovers:
-            return set()
-        if spec.mode == Mode.AGGREGATED:
-            service = await self.kube.get("v1", "Service", owner.namespace, prefill_service_name(owner.name))
-            if service is not None and _owned_by(service, owner):
-                leftovers.append(service)
-        for role in wanted:
-            pool = await self.kube.get("apps/v1", "Deployment", owner.namespace, pool_name(owner.name, role))
-            if pool is None or not _serving(pool):
-                log.info(
-                    "%s/%s: keeping the previous mode's pools until %s is ready", owner.namespace, owner.name, role
-                )
-                return {child_key(obj) for obj in leftovers}
-        names = []
-        for obj in leftovers:
-            await self.kube.delete(obj["apiVersion"], obj["kind"], owner.namespace, obj["metadata"]["name"])
-            names.append(f"{obj['kind']} {obj['metadata']['name']}")
-        await self.post(
-            body, "Normal", "ModeSwitched", f"{spec.mode} pools are ready; removed {', '.join(names)} (draining)"
-        )
-        return set()
+        return effective_spec(spec, overrides), False
 
     async def _missing_prerequisites(self, spec: InferenceDeploymentSpec, namespace: str) -> Problem | None:
         source = spec.model.source
@@ -263,147 +285,25 @@ class Reconciler:
                 )
         return None
 
-    async def _apply_child(self, body: Mapping[str, Any], spec: InferenceDeploymentSpec, child: dict[str, Any]) -> None:
-        meta = child["metadata"]
-        observed = await self.kube.get(child["apiVersion"], child["kind"], meta["namespace"], meta["name"])
-        role = _worker_role(child)
-        if observed is None and role is not None:
-            # Created with its declared size by the scaler's field manager: the operator's own
-            # apply set never contains spec.replicas (see builders.workers).
-            declared = int(meta["annotations"][ANNOTATION_DECLARED_REPLICAS])
-            sized = {**child, "spec": {**child["spec"], "replicas": declared}}
-            await self.kube.create(sized, field_manager=SCALE_FIELD_MANAGER)
-            await self.post(body, "Normal", "Created", f"created {child['kind']} {meta['name']} ({declared} replicas)")
-            return
-        if observed is None or not contains(observed, child):
-            _, created = await self.kube.apply(child)
-            if created:
-                await self.post(body, "Normal", "Created", f"created {child['kind']} {meta['name']}")
-            elif observed is not None:
-                await self.post(body, "Normal", *_change_event(observed, child))
-        if observed is not None and role is not None:
-            await self._size_pool(body, spec, role, child, observed)
-
-    async def _size_pool(
-        self,
-        body: Mapping[str, Any],
-        spec: InferenceDeploymentSpec,
-        role: Role,
-        child: Mapping[str, Any],
-        observed: Mapping[str, Any],
-    ) -> None:
-        """Write the spec's pool size only when the spec's declared count changed.
-
-        With autoscaling off, a changed `replicas` in the spec is applied; a `kubectl scale` of the
-        Deployment stays until the spec's count changes again. With autoscaling on, the autoscaler
-        (built-in, KEDA or HPA) owns the size; the operator only pulls it back inside min/max.
-        """
-        meta = child["metadata"]
-        declared = int(meta["annotations"][ANNOTATION_DECLARED_REPLICAS])
-        previously = (observed["metadata"].get("annotations") or {}).get(ANNOTATION_DECLARED_REPLICAS)
-        current = int(observed.get("spec", {}).get("replicas", 1))
-        pool = role_pool(spec, role)
-        if not spec.autoscaling.enabled:
-            wanted, why = (declared, "the spec's replicas changed") if previously != str(declared) else (current, "")
-        else:
-            wanted = min(max(current, pool.min_replicas), pool.max_replicas)
-            why = f"kept within minReplicas {pool.min_replicas} and maxReplicas {pool.max_replicas}"
-        if wanted != current:
-            await self.kube.scale(
-                "apps/v1", "Deployment", meta["namespace"], meta["name"], wanted, field_manager=SCALE_FIELD_MANAGER
+    async def _write_status(self, inp: StatusInput, *, children: Children | None = None) -> bool:
+        """Roll the status up (from `children` when given: the cache after this reconcile's writes); True if written."""
+        if children is not None:
+            inp = StatusInput(
+                inp.body, children, inp.spec, inp.problem, inp.now, inp.written, inp.invalid_overrides, inp.serving_mode
             )
-            await self.post(body, "Normal", "Scaled", f"scaled {meta['name']} from {current} to {wanted}: {why}")
-
-    async def _prune(self, owner: Owner, desired: set[tuple[str, str, str]]) -> None:
-        for api_version, kind in PRUNABLE_KINDS:
-            try:
-                observed = await self.kube.list(api_version, kind, owner.namespace, f"{LABEL_DEPLOYMENT}={owner.name}")
-            except KubeError as error:
-                if error.kind_not_installed:
-                    continue
-                raise
-            for obj in observed:
-                refs = obj["metadata"].get("ownerReferences", [])
-                ours = any(ref.get("uid") == owner.uid for ref in refs)
-                if ours and child_key(obj) not in desired:
-                    await self.kube.delete(api_version, kind, owner.namespace, obj["metadata"]["name"])
-
-    async def _write_status(
-        self,
-        body: Mapping[str, Any],
-        spec: InferenceDeploymentSpec | None,
-        problem: Problem | None,
-        written: InferenceDeploymentSpec | None = None,
-        invalid_overrides: bool = False,
-        *,
-        serving_mode: Mode | None = None,
-    ) -> None:
-        """Roll up status for the served (effective) `spec`; `written` is the CR's own spec.
-
-        `serving_mode` is set during a mode switch: the previous mode's pools still serve.
-        """
-        meta = body["metadata"]
-        namespace, name = meta["namespace"], meta["name"]
-        # Read the status fresh: the autoscaler and diagnosis timers write parts of it too.
-        fresh = await self.kube.get(*IDEP, namespace, name)
-        previous = InferenceDeploymentStatus.model_validate((fresh or body).get("status") or {})
-        observations: dict[str, PoolObservation | None] = {}
-        for component in ("prefill", "decode", "aggregated", ROUTER_ROLE):
-            deployment_name = router_name(name) if component == ROUTER_ROLE else pool_name(name, component)
-            observations[component] = PoolObservation.from_deployment(
-                await self.kube.get("apps/v1", "Deployment", namespace, deployment_name)
-            )
-        mode = serving_mode or (spec.mode if spec is not None else _declared_mode(body))
-        status = roll_up(
-            mode=mode,
-            generation=int(meta.get("generation", 0)),
-            previous=previous,
-            prefill=observations["prefill"],
-            decode=observations["aggregated"] if mode == Mode.AGGREGATED else observations["decode"],
-            router=observations[ROUTER_ROLE],
-            endpoint=router_endpoint(Owner(name, namespace), spec.router.port) if spec else previous.endpoint,
-            problem=problem,
-            now=utc_now(),
-        )
-        if serving_mode is not None and spec is not None:
-            switching = Condition(
-                type=ConditionType.PROGRESSING,
-                status="True",
-                reason="SwitchingMode",
-                message=f"serving {serving_mode} until every {spec.mode} pool has a ready replica",
-                last_transition_time=utc_now(),
-                observed_generation=int(meta.get("generation", 0)),
-            )
-            status = status.model_copy(update={"conditions": merge_condition(status.conditions, switching)})
-        if written is not None and previous.autopilot is not None:
-            autopilot = await self._drop_inactive(body, written, previous.autopilot, invalid=invalid_overrides)
-            status = status.model_copy(update={"autopilot": autopilot})
-        await self._patch_status_if_changed(namespace, name, previous, status)
-
-    async def _drop_inactive(
-        self, body: Mapping[str, Any], written: InferenceDeploymentSpec, autopilot: AutopilotStatus, *, invalid: bool
-    ) -> AutopilotStatus:
-        """Overrides that no longer apply (dynamic turned off, a kind vetoed, invalid) leave status at once."""
-        kept = {} if invalid else active_overrides(written, autopilot.overrides)
-        if kept == autopilot.overrides:
-            return autopilot
-        if invalid:
-            why = "the spec with them would be invalid"
-        elif not written.optimization.dynamic:
-            why = "dynamic optimization is off"
-        else:
-            why = "vetoed or equal to the spec"
-        dropped = sorted(set(autopilot.overrides) - set(kept)) or sorted(autopilot.overrides)
-        if autopilot.overrides:
-            await self.post(body, "Normal", "OptimizationDropped", f"serving the spec as written for {dropped}: {why}")
-        return autopilot.model_copy(update={"overrides": kept, "note": f"overrides dropped: {why}"})
+        planned = plan_status(inp)
+        if planned.event is not None:
+            await self.post(inp.body, "Normal", *planned.event)
+        meta = inp.body["metadata"]
+        previous = InferenceDeploymentStatus.model_validate(inp.body.get("status") or {})
+        return await self._patch_status_if_changed(meta["namespace"], meta["name"], previous, planned.status)
 
     async def update_status(
         self, namespace: str, name: str, mutate: Callable[[InferenceDeploymentStatus], InferenceDeploymentStatus]
     ) -> None:
         """Change the status parts a timer owns, serialised with reconciles of the same object."""
         async with self._lock(namespace, name):
-            fresh = await self.kube.get(*IDEP, namespace, name)
+            fresh = self.cache.deployment(namespace, name)
             if fresh is None:
                 return
             previous = InferenceDeploymentStatus.model_validate(fresh.get("status") or {})
@@ -411,69 +311,26 @@ class Reconciler:
 
     async def _patch_status_if_changed(
         self, namespace: str, name: str, previous: InferenceDeploymentStatus, status: InferenceDeploymentStatus
-    ) -> None:
+    ) -> bool:
         new = status.model_dump(by_alias=True, mode="json", exclude_none=True)
         old = previous.model_dump(by_alias=True, mode="json", exclude_none=True)
         if new == old:
-            return
+            return False
         try:
             # A merge patch with nulls for removed keys, so a key that went away (an override) is removed.
-            await self.kube.patch_status(*IDEP, namespace, name, merge_patch_between(old, new))
+            self.cache.wrote(await self.kube.patch_status(*IDEP, namespace, name, merge_patch_between(old, new)))
         except KubeError as error:
             if error.status != 404:
                 raise
             log.info("%s/%s was deleted meanwhile; its children are garbage-collected", namespace, name)
+        return True
 
 
-def _owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
-    return any(ref.get("uid") == owner.uid for ref in obj["metadata"].get("ownerReferences", []))
-
-
-def _serving(deployment: Mapping[str, Any]) -> bool:
-    """A pool is serving once it has a ready replica, or when it is sized to zero on purpose."""
-    wanted = int(deployment.get("spec", {}).get("replicas", 1))
-    return wanted == 0 or int((deployment.get("status") or {}).get("readyReplicas", 0)) >= 1
-
-
-def _declared_mode(body: Mapping[str, Any]) -> Mode:
-    """The mode an invalid spec asks for, so its status still reports the right pools."""
-    declared = (body.get("spec") or {}).get("mode")
-    return Mode.AGGREGATED if declared == Mode.AGGREGATED.value else Mode.DISAGGREGATED
-
-
-def _change_event(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> tuple[str, str]:
-    """(reason, message) for a child we changed: Scaled when only its replica count moved."""
-    label = f"{desired['kind']} {desired['metadata']['name']}"
-    before = observed.get("spec", {}).get("replicas")
-    after = desired.get("spec", {}).get("replicas")
-    if after is not None and before != after:
-        rest_observed = {**observed, "spec": {**observed.get("spec", {}), "replicas": after}}
-        if contains(rest_observed, desired):
-            return "Scaled", f"scaled {label} from {before} to {after} replicas"
-    return "Updated", f"updated {label} to match the spec"
-
-
-def _worker_role(child: Mapping[str, Any]) -> Role | None:
-    """The role of a worker pool Deployment, or None for anything else (incl. the router)."""
-    if child["kind"] != "Deployment":
-        return None
-    role = child["metadata"].get("labels", {}).get(LABEL_ROLE)
-    return Role(role) if role in {r.value for r in Role} else None
-
-
-def model_fit_problem(spec: InferenceDeploymentSpec) -> Problem | None:
-    """ModelDoesNotFit when the weights certainly exceed the pools' GPUs (diagnosis question 1).
-
-    Only certain verdicts block: the GPU type must be known from a node selector (not assumed)
-    and the parameter count declared or read from the model's config (not guessed from a name).
-    """
-    facts = model_facts(spec)
-    gpus = gpu_choices(spec, None)
-    if any(choice.assumed for choice in gpus.values()) or facts.parameter_count is None:
-        return None
-    if spec.model.parameter_count is None and "config" not in facts.parameter_source:
-        return None
-    result = hardware_fit(DiagnosisInput(spec, facts, gpus))
-    if not result.verdict.startswith("does not fit"):
-        return None
-    return Problem("ModelDoesNotFit", f"{result.verdict}. Options: {result.recommendation}"[:2000])
+def scaled(observed: Mapping[str, Any], replicas: int, scale: Mapping[str, Any]) -> dict[str, Any]:
+    """The Deployment as it is after a /scale write: the Scale answer carries the new resourceVersion."""
+    result = copy.deepcopy(dict(observed))
+    result.setdefault("spec", {})["replicas"] = replicas
+    version = (scale.get("metadata") or {}).get("resourceVersion")
+    if version is not None:
+        result["metadata"]["resourceVersion"] = version
+    return result

@@ -7,20 +7,20 @@ only when a condition's status changes, so watchers (Argo CD, `kubectl wait`) se
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
 from splitserve.api.spec import Mode
-from splitserve.api.status import Condition, ConditionStatus, ConditionType, InferenceDeploymentStatus, PoolStatus
-
-
-@dataclass(frozen=True)
-class Problem:
-    """Why the spec cannot be realised right now (sets Degraded=True)."""
-
-    reason: str  # CamelCase, e.g. MissingSecret
-    message: str
+from splitserve.api.status import (
+    Condition,
+    ConditionStatus,
+    ConditionType,
+    InferenceDeploymentStatus,
+    PoolStatus,
+    Problem,
+    merge_condition,
+)
 
 
 @dataclass(frozen=True)
@@ -93,20 +93,6 @@ def _pool_condition(kind: ConditionType, label: str, pool: PoolObservation | Non
     if pool.ready < pool.desired:
         return kind, "True", "MinimumReplicasReady", counts
     return kind, "True", "AllReplicasReady", counts
-
-
-def merge_condition(existing: Sequence[Condition], new: Condition) -> list[Condition]:
-    """Replace the condition of the same type, keeping lastTransitionTime if status is unchanged."""
-    result = []
-    for condition in existing:
-        if condition.type == new.type:
-            if condition.status == new.status:
-                new = new.model_copy(update={"last_transition_time": condition.last_transition_time})
-            continue
-        result.append(condition)
-    result.append(new)
-    order = {str(kind): index for index, kind in enumerate(ConditionType)}
-    return sorted(result, key=lambda c: order.get(c.type, len(order)))
 
 
 def roll_up(

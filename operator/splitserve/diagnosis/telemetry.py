@@ -21,7 +21,7 @@ from typing import Protocol
 
 
 class QuerySource(Protocol):
-    """What the diagnosis needs from a Prometheus client (splitserve.autoscaling.prometheus)."""
+    """What the diagnosis needs from a Prometheus client (splitserve.io.prometheus)."""
 
     async def query_scalar(self, promql: str) -> float | None: ...
 

@@ -22,7 +22,7 @@ import yaml
 from splitserve.api.base import API_GROUP, API_VERSION, KIND
 from splitserve.api.crd import openapi_schema
 from splitserve.api.spec import InferenceDeploymentSpec
-from splitserve.autoscaling.signals import check_query_overrides
+from splitserve.autoscaling.queries import check_query_overrides
 
 API_VERSION_FULL = f"{API_GROUP}/{API_VERSION}"
 

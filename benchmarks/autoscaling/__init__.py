@@ -1,0 +1,1 @@
+"""Benchmarks: autoscaling (scripts run as `python benchmarks/autoscaling/<script>.py`)."""

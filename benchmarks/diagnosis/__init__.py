@@ -1,0 +1,1 @@
+"""Benchmarks: diagnosis (scripts run as `python benchmarks/diagnosis/<script>.py`)."""

@@ -1,0 +1,1 @@
+"""Benchmarks: operator (scripts run as `python benchmarks/operator/<script>.py`)."""

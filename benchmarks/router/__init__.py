@@ -1,0 +1,1 @@
+"""Benchmarks: router (scripts run as `python benchmarks/router/<script>.py`)."""

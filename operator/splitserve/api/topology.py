@@ -1,0 +1,98 @@
+"""Names, labels, selectors and roles of an InferenceDeployment's parts: one place, so the builders,
+the reconciler, the autoscaler and the router's discovery agree."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from splitserve.api.base import API_GROUP, API_VERSION, KIND
+from splitserve.api.spec import InferenceDeploymentSpec, Mode, PoolSpec, Role
+
+FIELD_MANAGER = "splitserve-operator"
+LABEL_DEPLOYMENT = f"{API_GROUP}/deployment"
+LABEL_ROLE = f"{API_GROUP}/role"
+# Decode and aggregated workers both answer decode requests; the decode Service selects this
+# label so a mode switch can run old and new pools side by side behind one Service.
+LABEL_SERVES_DECODE = f"{API_GROUP}/serves-decode"
+ROUTER_ROLE = "router"
+WORKER_HTTP_PORT_NAME = "http"
+KV_SIDE_CHANNEL_PORT_NAME = "kv-side"
+# The pool size the spec declared when the operator last wrote it (see builders.workers).
+ANNOTATION_DECLARED_REPLICAS = f"{API_GROUP}/declared-replicas"
+# Replica counts are written through /scale under this manager, never in the operator's apply set.
+SCALE_FIELD_MANAGER = "splitserve-scaler"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The InferenceDeployment that owns the children (uid is None when rendering offline)."""
+
+    name: str
+    namespace: str
+    uid: str | None = None
+
+    def reference(self) -> dict[str, Any]:
+        return {
+            "apiVersion": f"{API_GROUP}/{API_VERSION}",
+            "kind": KIND,
+            "name": self.name,
+            "uid": self.uid,
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+
+
+def worker_roles(spec: InferenceDeploymentSpec) -> list[Role]:
+    if spec.mode == Mode.AGGREGATED:
+        return [Role.AGGREGATED]
+    return [Role.PREFILL, Role.DECODE]
+
+
+def pool_name(owner_name: str, role: Role | str) -> str:
+    """`<name>-prefill`, `<name>-decode`, `<name>-aggregated`, `<name>-router`."""
+    return f"{owner_name}-{role}"
+
+
+def router_name(owner_name: str) -> str:
+    return f"{owner_name}-{ROUTER_ROLE}"
+
+
+def prefill_service_name(owner_name: str) -> str:
+    return f"{owner_name}-prefill"
+
+
+def decode_service_name(owner_name: str) -> str:
+    return f"{owner_name}-decode"
+
+
+def common_labels(owner_name: str, component: str) -> dict[str, str]:
+    return {
+        "app.kubernetes.io/name": "splitserve",
+        "app.kubernetes.io/instance": owner_name,
+        "app.kubernetes.io/component": component,
+        "app.kubernetes.io/part-of": "splitserve",
+        "app.kubernetes.io/managed-by": FIELD_MANAGER,
+        LABEL_DEPLOYMENT: owner_name,
+    }
+
+
+def selector_labels(owner_name: str, role: Role | str) -> dict[str, str]:
+    """Deployment selectors are immutable: only the two labels that never change."""
+    return {LABEL_DEPLOYMENT: owner_name, LABEL_ROLE: str(role)}
+
+
+def pod_labels(owner_name: str, role: Role | str) -> dict[str, str]:
+    labels = common_labels(owner_name, str(role)) | selector_labels(owner_name, role)
+    if role in (Role.DECODE, Role.AGGREGATED):
+        labels[LABEL_SERVES_DECODE] = "true"
+    return labels
+
+
+def router_endpoint(owner: Owner, port: int) -> str:
+    return f"http://{router_name(owner.name)}.{owner.namespace}.svc:{port}/v1"
+
+
+def role_pool(spec: InferenceDeploymentSpec, role: Role | str) -> PoolSpec:
+    """The pool whose settings a role runs with; an aggregated engine uses the decode pool."""
+    return spec.prefill if role == Role.PREFILL else spec.decode

@@ -1,0 +1,286 @@
+"""The reconcile's decisions, pure: what the cluster holds and what the spec wants in, the writes out.
+
+`plan_writes` (create, apply or resize each desired child), `plan_mode_switch` (make-before-break
+between modes), `plan_prune` (owned children nobody wants) and `plan_status` (the status to write).
+reconcile.py reads the cache, calls these and performs what they return.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
+from splitserve.api.status import (
+    AutopilotStatus,
+    Condition,
+    ConditionType,
+    InferenceDeploymentStatus,
+    Problem,
+    merge_condition,
+)
+from splitserve.api.topology import (
+    ANNOTATION_DECLARED_REPLICAS,
+    LABEL_ROLE,
+    ROUTER_ROLE,
+    Owner,
+    pool_name,
+    prefill_service_name,
+    role_pool,
+    router_endpoint,
+    router_name,
+    worker_roles,
+)
+from splitserve.builders.bundle import child_key
+from splitserve.controller.drift import contains
+from splitserve.controller.rollup import PoolObservation, roll_up
+from splitserve.optimization.overrides import active_overrides
+
+# (apiVersion, kind, name) of a child inside its owner's namespace.
+ChildKey = tuple[str, str, str]
+Children = Mapping[ChildKey, Mapping[str, Any]]
+
+# Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend):
+# these are pruned; the others always exist with a fixed name.
+PRUNABLE_KINDS: list[tuple[str, str]] = [
+    ("apps/v1", "Deployment"),
+    ("v1", "Service"),
+    ("policy/v1", "PodDisruptionBudget"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
+    ("autoscaling/v2", "HorizontalPodAutoscaler"),
+]
+
+
+@dataclass(frozen=True)
+class Write:
+    """One call the reconcile makes for a child.
+
+    - create: a new worker pool, sized by the scaler's field manager (the operator's apply set never
+      holds spec.replicas, see builders.workers);
+    - apply: server-side apply of the desired object;
+    - scale: `replicas` through /scale.
+    """
+
+    verb: Literal["create", "apply", "scale"]
+    obj: Mapping[str, Any]
+    replicas: int | None = None
+    reason: str = ""  # the Event's reason, "" for none
+    message: str = ""
+
+
+def worker_role(child: Mapping[str, Any]) -> Role | None:
+    """The role of a worker pool Deployment, or None for anything else (incl. the router)."""
+    if child["kind"] != "Deployment":
+        return None
+    role = child["metadata"].get("labels", {}).get(LABEL_ROLE)
+    return Role(role) if role in {r.value for r in Role} else None
+
+
+def plan_writes(spec: InferenceDeploymentSpec, desired: list[dict[str, Any]], children: Children) -> list[Write]:
+    """The writes that make the children match `desired`: none for a child that already carries it."""
+    writes: list[Write] = []
+    for child in desired:
+        name = child["metadata"]["name"]
+        observed = children.get(child_key(child))
+        role = worker_role(child)
+        if observed is None and role is not None:
+            declared = int(child["metadata"]["annotations"][ANNOTATION_DECLARED_REPLICAS])
+            sized = {**child, "spec": {**child["spec"], "replicas": declared}}
+            writes.append(Write("create", sized, declared, "Created", f"{child['kind']} {name} ({declared} replicas)"))
+            continue
+        if observed is None:
+            writes.append(Write("apply", child, None, "Created", f"{child['kind']} {name}"))
+        elif not contains(observed, child):
+            writes.append(Write("apply", child, None, *change_event(observed, child)))
+        if observed is not None and role is not None:
+            resize = plan_size(spec, role, child, observed)
+            if resize is not None:
+                writes.append(resize)
+    return writes
+
+
+def plan_size(
+    spec: InferenceDeploymentSpec, role: Role, child: Mapping[str, Any], observed: Mapping[str, Any]
+) -> Write | None:
+    """Write the spec's pool size only when the spec's declared count changed.
+
+    With autoscaling off, a changed `replicas` in the spec is applied; a `kubectl scale` of the
+    Deployment stays until the spec's count changes again. With autoscaling on, the autoscaler
+    (built-in, KEDA or HPA) owns the size; the operator only pulls it back inside min/max.
+    """
+    declared = int(child["metadata"]["annotations"][ANNOTATION_DECLARED_REPLICAS])
+    previously = (observed["metadata"].get("annotations") or {}).get(ANNOTATION_DECLARED_REPLICAS)
+    current = int(observed.get("spec", {}).get("replicas", 1))
+    pool = role_pool(spec, role)
+    if not spec.autoscaling.enabled:
+        wanted, why = (declared, "the spec's replicas changed") if previously != str(declared) else (current, "")
+    else:
+        wanted = min(max(current, pool.min_replicas), pool.max_replicas)
+        why = f"kept within minReplicas {pool.min_replicas} and maxReplicas {pool.max_replicas}"
+    if wanted == current:
+        return None
+    name = child["metadata"]["name"]
+    return Write("scale", observed, wanted, "Scaled", f"scaled {name} from {current} to {wanted}: {why}")
+
+
+def change_event(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> tuple[str, str]:
+    """(reason, message) for a child we changed: Scaled when only its replica count moved."""
+    label = f"{desired['kind']} {desired['metadata']['name']}"
+    before = observed.get("spec", {}).get("replicas")
+    after = desired.get("spec", {}).get("replicas")
+    if after is not None and before != after:
+        rest_observed = {**observed, "spec": {**observed.get("spec", {}), "replicas": after}}
+        if contains(rest_observed, desired):
+            return "Scaled", f"scaled {label} from {before} to {after} replicas"
+    return "Updated", f"updated {label} to match the spec"
+
+
+def owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
+    return any(ref.get("uid") == owner.uid for ref in obj["metadata"].get("ownerReferences", []))
+
+
+def serving(deployment: Mapping[str, Any]) -> bool:
+    """A pool is serving once it has a ready replica, or when it is sized to zero on purpose."""
+    wanted = int(deployment.get("spec", {}).get("replicas", 1))
+    return wanted == 0 or int((deployment.get("status") or {}).get("readyReplicas", 0)) >= 1
+
+
+@dataclass(frozen=True)
+class ModeSwitch:
+    """The previous mode's children during a switch: kept until every new pool serves, then removed."""
+
+    keep: frozenset[ChildKey] = frozenset()
+    remove: tuple[Mapping[str, Any], ...] = ()
+    waiting_for: Role | None = None  # the first new pool that does not serve yet
+
+    @property
+    def switching(self) -> bool:
+        return bool(self.keep)
+
+
+def plan_mode_switch(spec: InferenceDeploymentSpec, owner: Owner, children: Children) -> ModeSwitch:
+    """Make-before-break after a mode change.
+
+    Worker Deployments of roles the mode no longer has (and the prefill Service when going
+    aggregated) stay until each new pool has a ready replica (or is sized to zero). The router keeps
+    serving meanwhile: decode and aggregated workers share the decode Service, and a router without
+    prefill workers sends requests whole to decode. Deleting the old pool then lets its pods leave
+    the EndpointSlices as terminating and drain (preStop pause, then the worker's drain).
+    """
+    wanted = worker_roles(spec)
+    leftovers = [
+        found
+        for role in Role
+        if role not in wanted
+        and (found := children.get(("apps/v1", "Deployment", pool_name(owner.name, role)))) is not None
+        and owned_by(found, owner)
+    ]
+    if not leftovers:
+        return ModeSwitch()
+    if spec.mode == Mode.AGGREGATED:
+        service = children.get(("v1", "Service", prefill_service_name(owner.name)))
+        if service is not None and owned_by(service, owner):
+            leftovers.append(service)
+    for role in wanted:
+        pool = children.get(("apps/v1", "Deployment", pool_name(owner.name, role)))
+        if pool is None or not serving(pool):
+            return ModeSwitch(keep=frozenset(child_key(dict(obj)) for obj in leftovers), waiting_for=role)
+    return ModeSwitch(remove=tuple(leftovers))
+
+
+def plan_prune(children: Children, wanted: set[ChildKey], owner: Owner) -> list[Mapping[str, Any]]:
+    """Owned children of a prunable kind that nothing wants any more."""
+    prunable = set(PRUNABLE_KINDS)
+    return [
+        obj
+        for key, obj in sorted(children.items())
+        if (key[0], key[1]) in prunable and key not in wanted and owned_by(obj, owner)
+    ]
+
+
+def declared_mode(body: Mapping[str, Any]) -> Mode:
+    """The mode an invalid spec asks for, so its status still reports the right pools."""
+    declared = (body.get("spec") or {}).get("mode")
+    return Mode.AGGREGATED if declared == Mode.AGGREGATED.value else Mode.DISAGGREGATED
+
+
+@dataclass(frozen=True)
+class StatusPlan:
+    status: InferenceDeploymentStatus
+    # An Event to post (reason, message) when overrides were dropped; None otherwise.
+    event: tuple[str, str] | None = None
+
+
+@dataclass(frozen=True)
+class StatusInput:
+    body: Mapping[str, Any]
+    children: Children
+    spec: InferenceDeploymentSpec | None  # the served (effective) spec; None when invalid
+    problem: Problem | None
+    now: str
+    written: InferenceDeploymentSpec | None = None  # the CR's own spec
+    invalid_overrides: bool = False
+    serving_mode: Mode | None = None  # set during a mode switch: the previous mode's pools still serve
+
+
+def plan_status(inp: StatusInput) -> StatusPlan:
+    """Roll up status for the served spec from the cached children."""
+    meta = inp.body["metadata"]
+    name, namespace = meta["name"], meta["namespace"]
+    previous = InferenceDeploymentStatus.model_validate(inp.body.get("status") or {})
+    generation = int(meta.get("generation", 0))
+
+    def pool(component: str) -> PoolObservation | None:
+        deployment_name = router_name(name) if component == ROUTER_ROLE else pool_name(name, component)
+        return PoolObservation.from_deployment(inp.children.get(("apps/v1", "Deployment", deployment_name)))
+
+    mode = inp.serving_mode or (inp.spec.mode if inp.spec is not None else declared_mode(inp.body))
+    status = roll_up(
+        mode=mode,
+        generation=generation,
+        previous=previous,
+        prefill=pool("prefill"),
+        decode=pool("aggregated") if mode == Mode.AGGREGATED else pool("decode"),
+        router=pool(ROUTER_ROLE),
+        endpoint=router_endpoint(Owner(name, namespace), inp.spec.router.port) if inp.spec else previous.endpoint,
+        problem=inp.problem,
+        now=inp.now,
+    )
+    if inp.serving_mode is not None and inp.spec is not None:
+        switching = Condition(
+            type=ConditionType.PROGRESSING,
+            status="True",
+            reason="SwitchingMode",
+            message=f"serving {inp.serving_mode} until every {inp.spec.mode} pool has a ready replica",
+            last_transition_time=inp.now,
+            observed_generation=generation,
+        )
+        status = status.model_copy(update={"conditions": merge_condition(status.conditions, switching)})
+    event = None
+    if inp.written is not None and previous.autopilot is not None:
+        autopilot, event = drop_inactive(inp.written, previous.autopilot, invalid=inp.invalid_overrides)
+        status = status.model_copy(update={"autopilot": autopilot})
+    return StatusPlan(status, event)
+
+
+def drop_inactive(
+    written: InferenceDeploymentSpec, autopilot: AutopilotStatus, *, invalid: bool
+) -> tuple[AutopilotStatus, tuple[str, str] | None]:
+    """Overrides that no longer apply (dynamic turned off, a kind vetoed, invalid) leave status at once."""
+    kept = {} if invalid else active_overrides(written, autopilot.overrides)
+    if kept == autopilot.overrides:
+        return autopilot, None
+    if invalid:
+        why = "the spec with them would be invalid"
+    elif not written.optimization.dynamic:
+        why = "dynamic optimization is off"
+    else:
+        why = "vetoed or equal to the spec"
+    dropped = sorted(set(autopilot.overrides) - set(kept)) or sorted(autopilot.overrides)
+    event = (
+        ("OptimizationDropped", f"serving the spec as written for {dropped}: {why}") if autopilot.overrides else None
+    )
+    return autopilot.model_copy(update={"overrides": kept, "note": f"overrides dropped: {why}"}), event

@@ -1,0 +1,62 @@
+"""The router on a free loopback port, its configuration and metrics, and simulated-worker configs:
+what tests/router and the rigs in testkit.rigs start their routers and SimWorkers with."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from collections.abc import AsyncIterator
+from typing import Any
+
+from aiohttp import web
+
+from splitserve.router.app import Router, build_app
+from splitserve.router.config import RouterConfig
+from splitserve.router.discovery import Discovery
+from splitserve.sim import Role, SimConfig
+
+# Simulated engines at 1/100 of real CPU-tiny timing: requests take milliseconds.
+TIME_SCALE = 0.01
+
+
+def sim_config(role: Role | str, **overrides: Any) -> SimConfig:
+    overrides.setdefault("time_scale", TIME_SCALE)
+    overrides.setdefault("model", "sim-model")
+    faults = overrides.pop("faults", None)
+    config = SimConfig.from_profile("cpu-tiny", role=Role(role), **overrides)
+    return dataclasses.replace(config, faults=faults) if faults is not None else config
+
+
+def router_config(**overrides: Any) -> RouterConfig:
+    base: dict[str, Any] = {
+        "host": "127.0.0.1",
+        "port": 0,
+        "model": "sim-model",
+        "health_interval": 0.05,
+        "eject_min_seconds": 0.1,
+        "queue_timeout": 5.0,
+    }
+    base.update(overrides)
+    return RouterConfig(**base)
+
+
+@contextlib.asynccontextmanager
+async def running_router(config: RouterConfig, discovery: Discovery | None = None) -> AsyncIterator[tuple[Router, str]]:
+    """A started router and its base URL; handler_cancellation as in production (cli.serve)."""
+    router = Router(config, discovery=discovery)
+    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    server = site._server
+    assert server is not None
+    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    try:
+        yield router, f"http://127.0.0.1:{port}"
+    finally:
+        await runner.cleanup()
+
+
+def metric_value(router: Router, name: str, labels: dict[str, str] | None = None) -> float:
+    value = router.metrics.registry.get_sample_value(name, labels or {})
+    return 0.0 if value is None else value
