@@ -3,6 +3,7 @@ the real Reconciler, and a scripted telemetry source instead of Prometheus. One 
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -14,6 +15,8 @@ from splitserve.api.crd import render_crd_yaml
 from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
 from splitserve.controller.reconcile import IDEP, Reconciler
 from splitserve.io.kube import ClusterAccess, KubeClient
+from splitserve.optimization.autopilot import Decision, Sample
+from testkit.cache import fill_cache
 from testkit.emulator.client import AsyncEmulatorClient
 from testkit.emulator.server import running_emulator
 
@@ -80,7 +83,21 @@ async def create(world: World, name: str, **spec: Any) -> None:
     body = {"model": {"name": "m", "source": {"uri": "s3://m"}}, **spec}
     obj = {"apiVersion": IDEP[0], "kind": IDEP[1], "metadata": {"name": name, "namespace": NAMESPACE}, "spec": body}
     await world.api.create(*PLURAL, obj, namespace=NAMESPACE)
+    await fill_cache(world.reconciler.cache, world.api, NAMESPACE)
     await world.reconciler.reconcile_by_name(NAMESPACE, name, prune=True)
+
+
+async def optimize(
+    world: World,
+    name: str,
+    telemetry: ScriptedTelemetry,
+    samples: deque[Sample],
+    now: float,
+    settings: AutopilotSettings,
+) -> Decision | None:
+    """One autopilot pass, reading the cluster as the operator's watches would show it."""
+    await fill_cache(world.reconciler.cache, world.api, NAMESPACE)
+    return await optimize_once(world.reconciler, NAMESPACE, name, telemetry, samples, now, settings)
 
 
 async def args_of(world: World, deployment: str) -> list[str]:
@@ -100,7 +117,7 @@ async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoe
     telemetry = ScriptedTelemetry(batch=2.0, itl=0.05)
     applied_at = None
     for minute in range(30):
-        decision = await optimize_once(world.reconciler, NAMESPACE, "vt", telemetry, samples, minute * MINUTE, settings)
+        decision = await optimize(world, "vt", telemetry, samples, minute * MINUTE, settings)
         if decision is not None and decision.action is not None:
             applied_at = minute
             break
@@ -115,7 +132,7 @@ async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoe
     telemetry.itl = 0.1
     undone_at = None
     for minute in range(applied_at + 1, applied_at + 30):
-        decision = await optimize_once(world.reconciler, NAMESPACE, "vt", telemetry, samples, minute * MINUTE, settings)
+        decision = await optimize(world, "vt", telemetry, samples, minute * MINUTE, settings)
         if decision is not None and decision.action is not None:
             undone_at = minute
             assert decision.action.reverts is not None
@@ -130,7 +147,7 @@ async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoe
 
     # Low load continues, but the undone change is not retried (4 h), nor anything else proposed.
     for minute in range(undone_at + 1, undone_at + 60):
-        decision = await optimize_once(world.reconciler, NAMESPACE, "vt", telemetry, samples, minute * MINUTE, settings)
+        decision = await optimize(world, "vt", telemetry, samples, minute * MINUTE, settings)
         assert decision is not None and decision.action is None
     assert "undone recently" in (await status(world, "vt"))["autopilot"]["note"]
 
@@ -142,9 +159,7 @@ async def test_a_change_the_spec_cannot_take_is_not_applied(world: World) -> Non
     samples = new_samples(settings)
     interfering = ScriptedTelemetry(batch=40.0, ttft=2.0, prefill=0.2)  # inflation 10 at batch 40
     for minute in range(15):
-        decision = await optimize_once(
-            world.reconciler, NAMESPACE, "noconn", interfering, samples, minute * MINUTE, settings
-        )
+        decision = await optimize(world, "noconn", interfering, samples, minute * MINUTE, settings)
         assert decision is not None and decision.action is None
     autopilot = (await status(world, "noconn"))["autopilot"]
     assert autopilot["note"].startswith("not applied (switch to disaggregated)")
@@ -159,7 +174,7 @@ async def test_no_telemetry_means_no_change(world: World) -> None:
     samples = new_samples(settings)
     blind = ScriptedTelemetry(batch=None, itl=None, ttft=None, prefill=None)
     for minute in range(20):
-        decision = await optimize_once(world.reconciler, NAMESPACE, "blind", blind, samples, minute * MINUTE, settings)
+        decision = await optimize(world, "blind", blind, samples, minute * MINUTE, settings)
         assert decision is not None and decision.action is None
     observed = await status(world, "blind")
     assert observed.get("optimization", []) == [] and observed["autopilot"]["overrides"] == {}
@@ -184,9 +199,7 @@ async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_r
     prompt_heavy = ScriptedTelemetry(batch=2.0, requests=20.0, prompt_tokens=160_000.0, output_tokens=200.0)
     action = None
     for minute in range(15):
-        decision = await optimize_once(
-            world.reconciler, NAMESPACE, "auto", prompt_heavy, samples, minute * MINUTE, settings
-        )
+        decision = await optimize(world, "auto", prompt_heavy, samples, minute * MINUTE, settings)
         assert decision is not None
         if decision.action is not None:
             action = decision.action

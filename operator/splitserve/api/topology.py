@@ -23,6 +23,22 @@ ANNOTATION_DECLARED_REPLICAS = f"{API_GROUP}/declared-replicas"
 # Replica counts are written through /scale under this manager, never in the operator's apply set.
 SCALE_FIELD_MANAGER = "splitserve-scaler"
 
+# Every kind of child the builders emit, as (group, version, plural): the operator watches and
+# indexes each by owner. Kinds whose CRD is absent (KEDA, prometheus-operator) are simply not served.
+CHILD_RESOURCES: list[tuple[str, str, str]] = [
+    ("apps", "v1", "deployments"),
+    ("", "v1", "services"),
+    ("", "v1", "serviceaccounts"),
+    ("rbac.authorization.k8s.io", "v1", "roles"),
+    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
+    ("policy", "v1", "poddisruptionbudgets"),
+    ("networking.k8s.io", "v1", "networkpolicies"),
+    ("monitoring.coreos.com", "v1", "servicemonitors"),
+    ("monitoring.coreos.com", "v1", "podmonitors"),
+    ("keda.sh", "v1alpha1", "scaledobjects"),
+    ("autoscaling", "v2", "horizontalpodautoscalers"),
+]
+
 
 @dataclass(frozen=True)
 class Owner:

@@ -22,7 +22,7 @@ from typing import Any
 import kopf
 
 from splitserve.api.base import API_GROUP, API_VERSION, PLURAL
-from splitserve.api.topology import FIELD_MANAGER, LABEL_DEPLOYMENT
+from splitserve.api.topology import CHILD_RESOURCES, FIELD_MANAGER, LABEL_DEPLOYMENT
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.builders.target import Images
 from splitserve.controller.coalesce import Coalescer
@@ -46,23 +46,6 @@ CHILD_FILTER: dict[str, Any] = {
     LABEL_DEPLOYMENT: kopf.PRESENT,
     "app.kubernetes.io/managed-by": FIELD_MANAGER,
 }
-
-
-# Every kind the builders emit, watched (and indexed) by owner. Kinds whose CRD is absent (KEDA,
-# prometheus-operator) are simply not served by kopf until it appears.
-CHILD_KINDS: list[tuple[str, str, str]] = [
-    ("apps", "v1", "deployments"),
-    ("", "v1", "services"),
-    ("", "v1", "serviceaccounts"),
-    ("rbac.authorization.k8s.io", "v1", "roles"),
-    ("rbac.authorization.k8s.io", "v1", "rolebindings"),
-    ("policy", "v1", "poddisruptionbudgets"),
-    ("networking.k8s.io", "v1", "networkpolicies"),
-    ("monitoring.coreos.com", "v1", "servicemonitors"),
-    ("monitoring.coreos.com", "v1", "podmonitors"),
-    ("keda.sh", "v1alpha1", "scaledobjects"),
-    ("autoscaling", "v2", "horizontalpodautoscalers"),
-]
 
 
 def _plain(body: kopf.Body) -> dict[str, Any]:
@@ -89,7 +72,7 @@ async def _index_children(
 
 
 # One index fed by every child kind (kopf merges what handlers of the same id return).
-for _group, _version, _plural in CHILD_KINDS:
+for _group, _version, _plural in CHILD_RESOURCES:
     kopf.index(_group, _version, _plural, labels=CHILD_FILTER, id="owned_children")(_index_children)
 
 
@@ -168,7 +151,7 @@ async def child_deleted(
     memo.coalescer.request(namespace, labels[LABEL_DEPLOYMENT])
 
 
-for _group, _version, _plural in CHILD_KINDS:
+for _group, _version, _plural in CHILD_RESOURCES:
     kopf.on.event(_group, _version, _plural, labels=CHILD_FILTER, when=_deleted, id="child_deleted")(child_deleted)
 
 
