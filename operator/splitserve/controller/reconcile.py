@@ -159,8 +159,10 @@ class Reconciler:
         # Make-before-break: after a mode switch the old pools serve until the new ones are ready.
         switch = plan_mode_switch(spec, owner, children)
         wanted = {child_key(child) for child in desired} | switch.keep
-        # kopf starts no handler before every index has been listed, so a stray seen here is a real one.
-        strays = plan_prune(children, wanted, owner) if prune else []
+        # Never prune on the strength of a cache that has not been listed once: a child missing from it
+        # is unknown, not unwanted. (kopf runs no handler before its indexes are listed, so in the
+        # operator this only guards callers that bypass it.)
+        strays = plan_prune(children, wanted, owner) if prune and self.cache.synced else []
 
         # apply
         failures = await self._perform(body, owner, writes)
