@@ -7,7 +7,7 @@ import asyncio
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -27,6 +27,7 @@ class OperatorProcess:
         workdir: Path,
         env: Mapping[str, str] | None = None,
         python: str = sys.executable,
+        args: Sequence[str] = (),
     ) -> None:
         self.emulator = emulator
         # The interpreter whose `splitserve` runs: the test venv's, or a venv holding only the shipped wheel.
@@ -34,12 +35,13 @@ class OperatorProcess:
         self.log_path = workdir / "operator.log"
         # A fast diagnosis timer by default, so status.diagnosis shows up within a test's patience.
         self.env = {"SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3", **(env or {})}
+        self.args = list(args)  # more `splitserve operator` flags (--metrics-port)
         self._process: subprocess.Popen[bytes] | None = None
 
     def start(self) -> None:
         with self.log_path.open("ab") as log:
             self._process = subprocess.Popen(
-                [self.python, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE],
+                [self.python, "-m", "splitserve", "operator", "--standalone", "--namespace", NAMESPACE, *self.args],
                 env={**self.emulator.env(), **self.env},
                 stdout=log,
                 stderr=subprocess.STDOUT,

@@ -1,24 +1,43 @@
-"""Operator benchmark (not a test): time from applying 1 and 100 InferenceDeployments to every
-child applied and status written (Ready=True), and the operator's memory, against the API emulator.
+"""Operator benchmark (counted, not timed by a test): API calls and seconds against the API emulator.
 
-    python benchmarks/operator/bench_reconcile.py [--counts 1,100]
+    python benchmarks/operator/bench_reconcile.py [--counts 1,100,300] [--baseline REF --baseline-counts 1,100]
 
-The emulator (testkit/emulator) stands in for kube-apiserver, with its fake Deployment controller
-marking replicas ready at once; so the figures measure the operator's own work plus the
-emulator's, not a real cluster's scheduling. Run from the repository root.
+For each count N, a fresh emulator and a fresh `splitserve operator --all-namespaces` (production
+settings: 60 s drift pass, 300 s diagnosis), then:
+
+- apply N InferenceDeployments; seconds and API calls (by verb) until every one is Ready;
+- a no-op reconcile: annotate every decode Deployment (a child event that changes nothing the operator
+  owns), wait until the operator has run N more reconciles (its own metric says so), and divide the
+  calls made meanwhile by the reconciles run;
+- idle: calls per CR per minute over --idle-seconds with nothing happening;
+- the operator's RSS, idle before the run and at its peak.
+
+`--baseline REF` runs the same for the operator at a git ref (e.g. the commit before the watch caches),
+in the same run, from a link tree of that ref's package, so the two are compared on the same machine
+at the same moment. Calls are the operator's own (its User-Agent and kopf's), watches excluded: a
+watch is one long request. The emulator (testkit/emulator) stands in for kube-apiserver, its fake
+Deployment controller marking replicas ready at once: the seconds measure the operator's work plus
+the emulator's on one machine (both share its cores), not a real cluster's scheduling.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
 import json
+import os
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
+import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
@@ -26,6 +45,10 @@ sys.path.insert(0, str(REPO))
 from splitserve.api.crd import render_crd_yaml  # noqa: E402
 from testkit.emulator.client import EmulatorClient  # noqa: E402
 from testkit.emulator.fixtures import EmulatorProcess  # noqa: E402
+
+IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
+NAMESPACE = "bench"
+LIMIT_S = 900.0
 
 
 def rss_mib(pid: int) -> float:
@@ -35,74 +58,181 @@ def rss_mib(pid: int) -> float:
     return float("nan")
 
 
-def idep(name: str, namespace: str) -> dict[str, object]:
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port: int = sock.getsockname()[1]
+        return port
+
+
+def idep(name: str) -> dict[str, object]:
     return {
-        "apiVersion": "splitserve.io/v1alpha1",
+        "apiVersion": IDEP[0],
         "kind": "InferenceDeployment",
-        "metadata": {"name": name, "namespace": namespace},
+        "metadata": {"name": name, "namespace": NAMESPACE},
         "spec": {"model": {"name": name, "source": {"uri": "s3://models/x"}}},
     }
 
 
-def ready_count(client: EmulatorClient, namespace: str) -> int:
-    items = client.list("splitserve.io/v1alpha1", "inferencedeployments", namespace=namespace)
+def ready_count(client: EmulatorClient) -> int:
+    items = client.list(*IDEP, namespace=NAMESPACE)
     return sum(1 for item in items if (item.get("status") or {}).get("ready") == "True")
 
 
-def run(counts: list[int]) -> dict[str, object]:
+def operator_calls(client: EmulatorClient) -> collections.Counter[str]:
+    """The operator's calls by verb (its client and kopf's), watches excluded."""
+    return collections.Counter(
+        str(record.get("verb"))
+        for record in client.requests_log()
+        if str(record.get("user_agent", "")).startswith(("splitserve-operator", "kopf"))
+        and record.get("verb") != "watch"
+    )
+
+
+def reconciles(metrics_url: str) -> float:
+    """Every reconcile the operator ran, whatever its result (ok, unchanged, degraded, invalid)."""
+    try:
+        text = httpx.get(metrics_url, timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "splitserve_operator_reconciles_total"
+    )
+
+
+def until(check: Callable[[], bool], what: str, every_s: float = 0.2, during: Callable[[], None] | None = None) -> None:
+    deadline = time.monotonic() + LIMIT_S
+    while not check():
+        if during is not None:
+            during()
+        if time.monotonic() > deadline:
+            raise TimeoutError(what)
+        time.sleep(every_s)
+
+
+def package_tree(ref: str, workdir: Path) -> Path:
+    """A directory to put first on PYTHONPATH that imports `splitserve` as it was at `ref`."""
+    source = workdir / "source"
+    subprocess.run(["git", "-C", str(REPO), "worktree", "add", "--detach", str(source), ref], check=True)
+    tree = workdir / "site"
+    tree.mkdir()
+    # A tree of symlinks: the old package's files, with the data-plane packages where setuptools maps them.
+    subprocess.run(["cp", "-rs", str(source / "operator" / "splitserve"), str(tree / "splitserve")], check=True)
+    for sub in ("router", "sim", "engine", "local"):
+        if (source / "workers" / sub).is_dir():
+            os.symlink(source / "workers" / sub, tree / "splitserve" / sub)
+    return tree
+
+
+def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-operator-"))
     emulator = EmulatorProcess(workdir)
     emulator.start()
-    results: dict[str, object] = {}
+    port = free_port()
+    metrics_url = f"http://127.0.0.1:{port}/metrics"
+    env = {**emulator.env()}
+    if pythonpath is not None:
+        env["PYTHONPATH"] = str(pythonpath)
+    result: dict[str, Any] = {"count": count}
     with emulator.client() as client:
         client.apply(yaml.safe_load(render_crd_yaml()), field_manager="bench", force=True)
-        namespaces = [f"bench-{count}" for count in counts]
-        for namespace in namespaces:
-            client.create_namespace(namespace)
+        client.create_namespace(NAMESPACE)
         log = (workdir / "operator.log").open("wb")
-        operator = subprocess.Popen(
-            [sys.executable, "-m", "splitserve", "operator", "--standalone", "--all-namespaces"],
-            env=emulator.env(),
-            stdout=log,
-            stderr=subprocess.STDOUT,
-        )
+        command = [sys.executable, "-m", "splitserve", "operator", "--standalone", "--all-namespaces"]
+        operator = subprocess.Popen([*command, "--metrics-port", str(port)], env=env, stdout=log, stderr=log)
         try:
-            time.sleep(5)
-            results["operator_rss_idle_mib"] = round(rss_mib(operator.pid), 1)
-            for count, namespace in zip(counts, namespaces, strict=True):
-                started = time.monotonic()
-                for index in range(count):
-                    client.create(idep(f"m{index}", namespace))
-                created = time.monotonic() - started
-                peak = 0.0
-                while ready_count(client, namespace) < count:
-                    peak = max(peak, rss_mib(operator.pid))
-                    if time.monotonic() - started > 600:
-                        raise TimeoutError(f"{count} deployments not ready in 600 s")
-                    time.sleep(0.2)
-                elapsed = time.monotonic() - started
-                results[f"n{count}"] = {
-                    "seconds_to_all_ready": round(elapsed, 2),
-                    "seconds_to_create": round(created, 2),
-                    "per_deployment_ms": round(1000 * elapsed / count, 1),
-                    "operator_rss_peak_mib": round(max(peak, rss_mib(operator.pid)), 1),
-                }
-            requests = client.requests_log()
-            results["api_requests_by_operator"] = sum(
-                1 for r in requests if str(r.get("user_agent", "")).startswith(("splitserve-operator", "kopf"))
-            )
+            until(lambda: _serving(metrics_url), "operator metrics")
+            time.sleep(2)
+            result["rss_idle_mib"] = round(rss_mib(operator.pid), 1)
+            client.clear_requests_log()
+            peak = 0.0
+
+            def sample_rss() -> None:
+                nonlocal peak
+                peak = max(peak, rss_mib(operator.pid))
+
+            started = time.monotonic()
+            for index in range(count):
+                client.create(idep(f"m{index}"))
+            until(lambda: ready_count(client) >= count, f"{count} Ready", during=sample_rss)
+            result["seconds_to_all_ready"] = round(time.monotonic() - started, 2)
+            calls = operator_calls(client)
+            result["calls_to_all_ready"] = sum(calls.values())
+            result["calls_to_all_ready_by_verb"] = dict(calls.most_common())
+
+            # Let the roll-out's last events settle, then one child event per CR.
+            time.sleep(3)
+            client.clear_requests_log()
+            before = reconciles(metrics_url)
+            for index in range(count):
+                client.patch(
+                    "apps/v1",
+                    "deployments",
+                    f"m{index}-decode",
+                    {"metadata": {"annotations": {"bench.splitserve.io/touched": str(time.time())}}},
+                    namespace=NAMESPACE,
+                )
+            until(lambda: reconciles(metrics_url) >= before + count, "a reconcile per touched CR")
+            time.sleep(1)
+            ran = reconciles(metrics_url) - before
+            calls = operator_calls(client)
+            result["noop_reconcile"] = {
+                "reconciles": ran,
+                "calls_per_reconcile": round(sum(calls.values()) / ran, 2),
+                "calls_per_reconcile_by_verb": {verb: round(n / ran, 2) for verb, n in calls.most_common()},
+            }
+
+            client.clear_requests_log()
+            time.sleep(idle_seconds)
+            sample_rss()
+            calls = operator_calls(client)
+            result["idle"] = {
+                "seconds": idle_seconds,
+                "calls": sum(calls.values()),
+                "calls_by_verb": dict(calls.most_common()),
+                "calls_per_cr_per_minute": round(sum(calls.values()) / count / (idle_seconds / 60), 3),
+            }
+            result["rss_peak_mib"] = round(peak, 1)
         finally:
             operator.terminate()
             operator.wait(timeout=30)
             emulator.kill()
-    return results
+    return result
+
+
+def _serving(metrics_url: str) -> bool:
+    try:
+        return httpx.get(metrics_url, timeout=2).status_code == 200
+    except httpx.HTTPError:
+        return False
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--counts", default="1,100")
+    parser.add_argument("--counts", default="1,100,300")
+    parser.add_argument("--idle-seconds", type=float, default=75.0)
+    parser.add_argument("--baseline", default=None, help="a git ref whose operator runs the same steps")
+    parser.add_argument("--baseline-counts", default="1,100")
+    parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
     args = parser.parse_args()
-    print(json.dumps(run([int(c) for c in args.counts.split(",")]), indent=2))
+    report: dict[str, Any] = {"splitserve": [measure(int(n), args.idle_seconds, None) for n in args.counts.split(",")]}
+    if args.baseline:
+        with tempfile.TemporaryDirectory(prefix="bench-baseline-") as scratch:
+            tree = package_tree(args.baseline, Path(scratch))
+            try:
+                report["baseline"] = {
+                    "ref": args.baseline,
+                    "runs": [measure(int(n), args.idle_seconds, tree) for n in args.baseline_counts.split(",")],
+                }
+            finally:
+                subprocess.run(["git", "-C", str(REPO), "worktree", "remove", "--force", str(Path(scratch) / "source")])
+    text = json.dumps(report, indent=2)
+    print(text)
+    if args.out is not None:
+        args.out.write_text(text + "\n")
 
 
 if __name__ == "__main__":

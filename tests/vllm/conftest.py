@@ -30,6 +30,7 @@ from tests.vllm.engines import (
     start_ready_engine,
     stop_all,
 )
+from tests.vllm.pd import GREEDY, pd_request, token_prompt
 
 # About 30 s on an idle 2-core machine; each engine is three Python processes importing torch and vLLM,
 # so on a machine busy with other work start-up can take several minutes.
@@ -53,6 +54,30 @@ class Cluster:
     @property
     def engines(self) -> list[Engine]:
         return [self.prefill, self.decode, self.aggregated]
+
+
+# vLLM gives the first NIXL handshake a fixed 5 s (a ZMQ receive timeout in its worker); on a 2-core
+# machine still warming up the other engines, the prefill's listener thread can miss it, and that one
+# request fails with 500. Later requests handshake again.
+HANDSHAKE_ATTEMPTS = 5
+
+
+def _handshake(cluster: Cluster) -> None:
+    """Complete the decode engine's NIXL handshake with the prefill engine before any test measures.
+
+    Done once, here, so no test depends on the first handshake winning vLLM's 5 s race: each attempt
+    is a whole P/D request (several KV blocks), retried only while the decode leg fails."""
+    body = {"model": MODEL_NAME, "prompt": token_prompt(200, salt="handshake"), **GREEDY, "max_tokens": 2}
+    last = ""
+    with httpx.Client(timeout=120) as client:
+        for _ in range(HANDSHAKE_ATTEMPTS):
+            try:
+                pd_request(client, cluster.prefill.url, cluster.decode.url, "/v1/completions", body)
+                return
+            except httpx.HTTPStatusError as error:
+                last = f"{error.response.status_code} {error.response.text[:300]}"
+                time.sleep(2)
+    raise RuntimeError(f"the NIXL handshake failed {HANDSHAKE_ATTEMPTS} times; last: {last} (see {cluster.log_dir})")
 
 
 def _tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -146,6 +171,7 @@ def cluster(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
                     raise error
         built = Cluster(engines[0], engines[1], engines[2], model_dir=model_dir, log_dir=work)
         built.startup_wall_seconds = time.monotonic() - started
+        _handshake(built)
         router = _start_router(built)
         yield built
     finally:
