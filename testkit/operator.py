@@ -11,7 +11,9 @@ from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
+import httpx
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
 from splitserve.api.crd import render_crd_yaml
 from testkit.emulator.client import EmulatorClient
@@ -79,3 +81,30 @@ async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0,
 def install_crd(client: EmulatorClient) -> None:
     client.apply(yaml.safe_load(render_crd_yaml()), field_manager="test", force=True)
     client.create_namespace(NAMESPACE)
+
+
+def operator_requests(client: EmulatorClient) -> list[dict[str, Any]]:
+    """What the operator (its own client or kopf's) asked the emulator so far, watches aside: a watch
+    is one long request, not traffic."""
+    return [
+        record
+        for record in client.requests_log()
+        if str(record.get("user_agent", "")).startswith(("splitserve-operator", "kopf"))
+        and record.get("verb") != "watch"
+    ]
+
+
+def reconciles_total(metrics_url: str, result: str | None = None) -> float:
+    """splitserve_operator_reconciles_total from the operator's /metrics (`result`: one label value,
+    None: every result); 0 while it does not answer yet."""
+    try:
+        text = httpx.get(metrics_url, timeout=5).text
+    except httpx.HTTPError:
+        return 0.0
+    return sum(
+        sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.name == "splitserve_operator_reconciles_total"
+        and (result is None or sample.labels.get("result") == result)
+    )

@@ -26,7 +26,6 @@ import argparse
 import collections
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,14 +36,15 @@ from typing import Any
 
 import httpx
 import yaml
-from prometheus_client.parser import text_string_to_metric_families
 
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO))
 
 from splitserve.api.crd import render_crd_yaml  # noqa: E402
+from splitserve.local.ports import free_port  # noqa: E402
 from testkit.emulator.client import EmulatorClient  # noqa: E402
 from testkit.emulator.fixtures import EmulatorProcess  # noqa: E402
+from testkit.operator import operator_requests, reconciles_total  # noqa: E402
 
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
 NAMESPACE = "bench"
@@ -56,13 +56,6 @@ def rss_mib(pid: int) -> float:
         if line.startswith("VmRSS:"):
             return int(line.split()[1]) / 1024
     return float("nan")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
 
 
 def idep(name: str) -> dict[str, object]:
@@ -81,26 +74,7 @@ def ready_count(client: EmulatorClient) -> int:
 
 def operator_calls(client: EmulatorClient) -> collections.Counter[str]:
     """The operator's calls by verb (its client and kopf's), watches excluded."""
-    return collections.Counter(
-        str(record.get("verb"))
-        for record in client.requests_log()
-        if str(record.get("user_agent", "")).startswith(("splitserve-operator", "kopf"))
-        and record.get("verb") != "watch"
-    )
-
-
-def reconciles(metrics_url: str) -> float:
-    """Every reconcile the operator ran, whatever its result (ok, unchanged, degraded, invalid)."""
-    try:
-        text = httpx.get(metrics_url, timeout=5).text
-    except httpx.HTTPError:
-        return 0.0
-    return sum(
-        sample.value
-        for family in text_string_to_metric_families(text)
-        for sample in family.samples
-        if sample.name == "splitserve_operator_reconciles_total"
-    )
+    return collections.Counter(str(record.get("verb")) for record in operator_requests(client))
 
 
 def until(check: Callable[[], bool], what: str, every_s: float = 0.2, during: Callable[[], None] | None = None) -> None:
@@ -166,7 +140,7 @@ def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[st
             # Let the roll-out's last events settle, then one child event per CR.
             time.sleep(3)
             client.clear_requests_log()
-            before = reconciles(metrics_url)
+            before = reconciles_total(metrics_url)
             for index in range(count):
                 client.patch(
                     "apps/v1",
@@ -175,9 +149,9 @@ def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[st
                     {"metadata": {"annotations": {"bench.splitserve.io/touched": str(time.time())}}},
                     namespace=NAMESPACE,
                 )
-            until(lambda: reconciles(metrics_url) >= before + count, "a reconcile per touched CR")
+            until(lambda: reconciles_total(metrics_url) >= before + count, "a reconcile per touched CR")
             time.sleep(1)
-            ran = reconciles(metrics_url) - before
+            ran = reconciles_total(metrics_url) - before
             calls = operator_calls(client)
             result["noop_reconcile"] = {
                 "reconciles": ran,

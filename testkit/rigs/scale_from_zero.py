@@ -21,9 +21,10 @@ from typing import Any
 import httpx
 import orjson
 
+from splitserve.kubeconfig import kubeconfig_access
 from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
-from splitserve.router.discovery import KubernetesDiscovery, kubeconfig_access
+from splitserve.router.discovery import KubernetesDiscovery
 from splitserve.sim import SimWorker
 from testkit.emulator.fixtures import EmulatorProcess
 from testkit.operator import NAMESPACE

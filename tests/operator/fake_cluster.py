@@ -17,21 +17,9 @@ from typing import Any
 
 from splitserve.api.topology import LABEL_DEPLOYMENT
 from splitserve.io.kube import KubeError
+from splitserve.optimization.overrides import merge_patch
 
 Key = tuple[str, str, str, str]  # apiVersion, kind, namespace, name
-
-
-def _merge(base: Any, patch: Any) -> Any:
-    """JSON merge patch (RFC 7386): null removes a key."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result = dict(base) if isinstance(base, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = _merge(result.get(key), value)
-    return result
 
 
 @dataclass
@@ -79,7 +67,7 @@ class FakeCluster:
         self.calls.append(("apply", obj["kind"], meta["name"]))
         key = (obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"])
         before = self.objects.get(key)
-        merged = _merge(before or {}, obj)
+        merged = merge_patch(before or {}, obj)
         return self.put(merged), merged != before
 
     async def scale(
@@ -108,7 +96,7 @@ class FakeCluster:
         if key not in self.objects:
             raise KubeError(404, "NotFound", f"{kind} {name} not found")
         stored = self.objects[key]
-        stored["status"] = _merge(stored.get("status") or {}, status)
+        stored["status"] = merge_patch(stored.get("status") or {}, status)
         return self.put(stored)
 
     async def aclose(self) -> None:

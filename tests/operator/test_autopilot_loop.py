@@ -14,7 +14,8 @@ import yaml
 from splitserve.api.crd import render_crd_yaml
 from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
 from splitserve.controller.reconcile import IDEP, Reconciler
-from splitserve.io.kube import ClusterAccess, KubeClient
+from splitserve.io.kube import KubeClient
+from splitserve.kubeconfig import KubeAccess
 from splitserve.optimization.autopilot import Decision, Sample
 from testkit.cache import fill_cache
 from testkit.emulator.client import AsyncEmulatorClient
@@ -71,7 +72,7 @@ async def world() -> AsyncIterator[World]:
         await api.create("apiextensions.k8s.io/v1", "customresourcedefinitions", yaml.safe_load(render_crd_yaml()))
         await api.create("v1", "namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
         events: list[tuple[str, str, str]] = []
-        kube = KubeClient(ClusterAccess(emulator.url, {}, False))
+        kube = KubeClient(KubeAccess(emulator.url, False))
         reconciler = Reconciler(kube, lambda _body, kind, reason, message: events.append((kind, reason, message)))
         try:
             yield World(api, reconciler, events)

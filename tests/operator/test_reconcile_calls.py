@@ -6,6 +6,7 @@ from __future__ import annotations
 from typing import Any, cast
 
 from splitserve.controller.cache import ClusterCache
+from splitserve.controller.loops.diagnosis import diagnose_once
 from splitserve.controller.reconcile import Reconciler
 from splitserve.io.kube import KubeClient
 from tests.operator.fake_cluster import FakeCluster
@@ -160,3 +161,18 @@ async def test_prerequisites_are_read_on_a_spec_change_not_on_a_child_event() ->
     cluster.calls.clear()
     await reconciler.reconcile_by_name(NAMESPACE, "demo")
     assert cluster.calls == []
+
+
+async def test_the_diagnosis_writes_status_when_its_findings_change_not_every_interval() -> None:
+    cluster = FakeCluster()
+    reconciler, _ = reconciler_for(cluster)
+    await reconciler.reconcile(cluster.put(deployment()))
+    watch_catches_up(reconciler, cluster)
+    cluster.calls.clear()
+    await diagnose_once(reconciler, NAMESPACE, "demo", None)
+    assert cluster.calls == [("patch_status", "InferenceDeployment", "demo")]
+    first = owner_of(cluster)["status"]["diagnosis"]
+    watch_catches_up(reconciler, cluster)
+    await diagnose_once(reconciler, NAMESPACE, "demo", None)
+    assert len(cluster.calls) == 1
+    assert owner_of(cluster)["status"]["diagnosis"] == first

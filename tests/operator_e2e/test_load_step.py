@@ -44,9 +44,10 @@ import httpx
 import orjson
 import pytest
 
+from splitserve.kubeconfig import kubeconfig_access
 from splitserve.router.app import Router
 from splitserve.router.config import DiscoveryKind
-from splitserve.router.discovery import KubernetesDiscovery, kubeconfig_access
+from splitserve.router.discovery import KubernetesDiscovery
 from splitserve.sim import SimConfig, SimWorker
 from testkit.emulator.fixtures import EmulatorProcess
 from testkit.operator import NAMESPACE, OperatorProcess

@@ -13,14 +13,8 @@ import pytest
 import yaml
 from aiohttp import web
 
-from splitserve.router.discovery import (
-    DnsDiscovery,
-    KubeAccess,
-    KubernetesDiscovery,
-    authorization_header,
-    endpoints_of_slices,
-    kubeconfig_access,
-)
+from splitserve.kubeconfig import KubeAccess, authorization_header, kubeconfig_access
+from splitserve.router.discovery import DnsDiscovery, KubernetesDiscovery, endpoints_of_slices
 from splitserve.router.policies import RoutingRequest
 from splitserve.sim import SimWorker
 from testkit.router import router_config, running_router, sim_config

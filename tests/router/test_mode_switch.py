@@ -16,9 +16,10 @@ from collections.abc import Callable
 import httpx
 import pytest
 
+from splitserve.kubeconfig import KubeAccess
 from splitserve.local.ports import free_port
 from splitserve.router.config import DiscoveryKind
-from splitserve.router.discovery import KubeAccess, KubernetesDiscovery
+from splitserve.router.discovery import KubernetesDiscovery
 from splitserve.sim import SimWorker
 from testkit.emulator.server import running_emulator
 from testkit.rigs.slices import endpoint_slice

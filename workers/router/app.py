@@ -20,15 +20,10 @@ import orjson
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from splitserve.kubeconfig import load_access
 from splitserve.router import errors
 from splitserve.router.config import DiscoveryKind, RouterConfig
-from splitserve.router.discovery import (
-    Discovery,
-    DnsDiscovery,
-    KubernetesDiscovery,
-    StaticDiscovery,
-    load_access,
-)
+from splitserve.router.discovery import Discovery, DnsDiscovery, KubernetesDiscovery, StaticDiscovery
 from splitserve.router.flow import ClientGone, Flow, Handling, Outcome, RequestContext
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import PrefixAware, RoutingRequest, make_policy

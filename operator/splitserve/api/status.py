@@ -69,7 +69,9 @@ class Finding(ApiModel):
 
 
 class DiagnosisStatus(ApiModel):
-    time: str | None = None
+    time: str | None = Field(
+        None, description="Since when this is the diagnosis (RFC 3339): it changes with the findings."
+    )
     summary: str = ""
     findings: list[Finding] = Field(default_factory=list, max_length=12)
 

@@ -31,8 +31,9 @@ from splitserve.controller.loops.autoscaler import autoscale_once, builtin_autos
 from splitserve.controller.loops.diagnosis import diagnose_once
 from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.reconcile import Reconciler, RetryLater
-from splitserve.io.kube import KubeClient, load_access
+from splitserve.io.kube import KubeClient
 from splitserve.io.prometheus import PrometheusClient, shared_http_client
+from splitserve.kubeconfig import load_access
 
 DRIFT_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DRIFT_INTERVAL_SECONDS", "60"))
 # Child events closer together than this make one reconcile of their owner.
@@ -107,8 +108,10 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.reconciler = reconciler
     memo.prometheus_http = shared_http_client()
     memo.coalescer = Coalescer(
-        lambda namespace, name: reconciler.reconcile_by_name(namespace, name, prune=False), COALESCE_SECONDS
+        lambda namespace, name, full: _reconcile_owner(reconciler, namespace, name, full), COALESCE_SECONDS
     )
+    # (namespace, name) -> (uid, generation) last asked for: a new one is a spec change to reconcile.
+    memo.generations = {}
 
 
 @kopf.on.cleanup()
@@ -118,23 +121,48 @@ async def close(memo: kopf.Memo, **_: Any) -> None:
     await memo.reconciler.kube.aclose()
 
 
-async def _run(reconciler: Reconciler, body: Mapping[str, Any], *, prune: bool, prerequisites: bool = True) -> None:
+async def _reconcile_owner(reconciler: Reconciler, namespace: str, name: str, full: bool) -> float | None:
+    """What the coalescer runs: a reconcile from the cache; `full` also checks the spec's prerequisites.
+    Returns the seconds after which to try again when the spec cannot be realised yet."""
     try:
-        await reconciler.reconcile(body, prune=prune, prerequisites=prerequisites)
+        await reconciler.reconcile_by_name(namespace, name, prerequisites=full)
     except RetryLater as retry:
-        raise kopf.TemporaryError(str(retry), delay=retry.delay) from retry
+        return retry.delay
+    return None
 
 
-@kopf.on.resume(API_GROUP, API_VERSION, PLURAL)
-@kopf.on.create(API_GROUP, API_VERSION, PLURAL)
-@kopf.on.update(API_GROUP, API_VERSION, PLURAL)
-async def reconcile_handler(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
-    await _run(_bind(memo, kwargs), _plain(body), prune=True)
+@kopf.on.event(API_GROUP, API_VERSION, PLURAL)
+async def deployment_event(
+    type: str | None, body: kopf.Body, namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """A spec change (a new generation), or first sight after a (re)start: one full reconcile.
+
+    An event handler, not kopf's create/update/resume handlers: those keep their progress and a copy of
+    the whole spec in annotations, two patches per change and a diff per event, to find out what
+    metadata.generation already says. The operator's own status writes do not bump the generation,
+    so they cost nothing here."""
+    if namespace is None:
+        return
+    reconciler = _bind(memo, kwargs)
+    key = (namespace, name)
+    if type == "DELETED":
+        memo.coalescer.forget(namespace, name)
+        memo.generations.pop(key, None)
+        reconciler.cache.gone(body)  # its status writes must not outlive it in the cache
+        return
+    meta = body["metadata"]
+    seen = (meta.get("uid"), meta.get("generation"))
+    if memo.generations.get(key) != seen:
+        memo.generations[key] = seen
+        memo.coalescer.request(namespace, name, full=True)
 
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=DRIFT_INTERVAL_SECONDS, initial_delay=DRIFT_INTERVAL_SECONDS)
-async def drift_timer(body: kopf.Body, memo: kopf.Memo, **kwargs: Any) -> None:
-    await _run(_bind(memo, kwargs), _plain(body), prune=True, prerequisites=False)
+async def drift_timer(namespace: str | None, name: str, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Drift nothing else noticed (a watch event lost): the same reconcile, from the cache."""
+    if namespace is not None:
+        _bind(memo, kwargs)
+        memo.coalescer.request(namespace, name)
 
 
 def _deleted(type: str | None, **_: Any) -> bool:
@@ -183,7 +211,15 @@ async def autoscaler(
             await client.aclose()
 
 
-@kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=DIAGNOSIS_INTERVAL_SECONDS, initial_delay=5)
+# The first diagnosis within a minute of creation (sooner when the interval is shorter): earlier, the
+# pools have served nothing to diagnose, and a roll-out of many deployments is busy enough.
+@kopf.timer(
+    API_GROUP,
+    API_VERSION,
+    PLURAL,
+    interval=DIAGNOSIS_INTERVAL_SECONDS,
+    initial_delay=min(DIAGNOSIS_INTERVAL_SECONDS, 60.0),
+)
 async def diagnosis_timer(namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any) -> None:
     """The six-question diagnosis, written to status.diagnosis on a slow timer."""
     if namespace is None:

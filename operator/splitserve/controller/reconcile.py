@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import copy
 import datetime
+import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
@@ -73,6 +74,19 @@ def read_live(cache: ClusterCache, namespace: str, name: str) -> tuple[dict[str,
         return None
 
 
+# Specs whose verdict is remembered; past this many (a thousand CRs, or a spec churning) start afresh.
+VERDICTS_KEPT = 4096
+_SCHEMA_BUG = "the spec passed the schema but not the operator's model (a bug; reported, not retried)"
+
+
+def _problem(body: Mapping[str, Any]) -> Problem | None:
+    """Why the schema or the CEL rules reject the object, as one InvalidSpec problem (None: valid)."""
+    problems = validate_object(dict(body))
+    if not problems:
+        return None
+    return Problem("InvalidSpec", "; ".join(f"{p.path}: {p.message}" for p in problems))
+
+
 def utc_now() -> str:
     return datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
 
@@ -86,6 +100,7 @@ class Reconciler:
     cache: ClusterCache = field(default_factory=ClusterCache)
     # One lock per InferenceDeployment: handlers, child events and timers never interleave on one object.
     _locks: dict[tuple[str, str], asyncio.Lock] = field(default_factory=dict)
+    _verdicts: dict[str, Problem | None] = field(default_factory=dict)
 
     def _lock(self, namespace: str, name: str) -> asyncio.Lock:
         return self._locks.setdefault((namespace, name), asyncio.Lock())
@@ -108,12 +123,14 @@ class Reconciler:
                 body = {**body, "status": current.get("status") or {}}
             await self._reconcile_locked(body, prune=prune, prerequisites=prerequisites)
 
-    async def reconcile_by_name(self, namespace: str, name: str, *, prune: bool = False) -> None:
-        """For child events and timers: the owner as the cache holds it, reconciled."""
+    async def reconcile_by_name(
+        self, namespace: str, name: str, *, prune: bool = True, prerequisites: bool = False
+    ) -> None:
+        """The owner as the cache holds it, reconciled (spec changes, child events and timers alike)."""
         body = self.cache.deployment(namespace, name)
         if body is None or body["metadata"].get("deletionTimestamp"):
             return  # deleted: garbage collection removes the children
-        await self.reconcile(body, prune=prune, prerequisites=False)
+        await self.reconcile(body, prune=prune, prerequisites=prerequisites)
 
     # ------------------------------------------------------------------ the reconcile
 
@@ -123,18 +140,14 @@ class Reconciler:
         owner = Owner(meta["name"], meta["namespace"], meta["uid"])
         children = self.cache.owned(owner.namespace, owner.name)
         # plan: is the spec servable at all?
-        problems = validate_object(dict(body))
-        if problems:
-            message = "; ".join(f"{p.path}: {p.message}" for p in problems)
-            await self._write_status(StatusInput(body, children, None, Problem("InvalidSpec", message), utc_now()))
-            await self.post(body, "Warning", "InvalidSpec", message)
+        verdict = self._verdict(body)
+        if isinstance(verdict, Problem):
+            await self._write_status(StatusInput(body, children, None, verdict, utc_now()))
+            if verdict.message != _SCHEMA_BUG:
+                await self.post(body, "Warning", "InvalidSpec", verdict.message)
             self.metrics.reconciles.labels("invalid").inc()
             return  # nothing to retry: the next spec change triggers a new reconcile
-        try:
-            written = InferenceDeploymentSpec.model_validate(body["spec"])
-        except ValidationError as error:  # the schema passed, so this is our bug; still, do not crash-loop
-            await self._write_status(StatusInput(body, children, None, Problem("InvalidSpec", str(error)), utc_now()))
-            return
+        written = verdict
         spec, invalid = await self._effective(body, written)
 
         def status(problem: Problem | None, serving_mode: Mode | None = None) -> StatusInput:
@@ -192,6 +205,24 @@ class Reconciler:
         if problem is not None:
             await self.post(body, "Warning", "ApplyFailed", problem.message)
             raise RetryLater(problem.message, delay=30)
+
+    def _verdict(self, body: Mapping[str, Any]) -> InferenceDeploymentSpec | Problem:
+        """The parsed spec, or why it is invalid. The schema and CEL verdict is remembered per spec: it
+        costs more than the rest of a no-op reconcile, and the spec changes rarely."""
+        key = json.dumps([body.get("apiVersion"), body.get("kind"), body["metadata"].get("name"), body.get("spec")])
+        if key not in self._verdicts:
+            if len(self._verdicts) >= VERDICTS_KEPT:
+                self._verdicts.clear()
+            self._verdicts[key] = _problem(body)
+        problem = self._verdicts[key]
+        if problem is not None:
+            return problem
+        try:
+            # Parsed afresh each time (cheap next to the checks): callers may change what they get.
+            return InferenceDeploymentSpec.model_validate(body["spec"])
+        except ValidationError as error:  # the schema passed, so this is our bug; still, do not crash-loop
+            log.error("%s: %s", _SCHEMA_BUG, error)
+            return Problem("InvalidSpec", _SCHEMA_BUG)
 
     async def _perform(self, body: Mapping[str, Any], owner: Owner, writes: list[Write]) -> list[str]:
         """Make the planned writes; failures come back as one line each. One Event per reason, not per child."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from splitserve.api.status import InferenceDeploymentStatus
 from splitserve.controller.loops.autoscaler import spec_of
 from splitserve.controller.reconcile import Reconciler
 from splitserve.io.prometheus import PrometheusClient
@@ -17,4 +18,13 @@ async def diagnose_once(reconciler: Reconciler, namespace: str, name: str, prome
     url = spec.autoscaling.prometheus_url if prometheus is not None else None
     report = await run_diagnosis(spec, name=name, namespace=namespace, prometheus_url=url, source=prometheus)
     diagnosis = report.status()
-    await reconciler.update_status(namespace, name, lambda status: status.model_copy(update={"diagnosis": diagnosis}))
+
+    def with_diagnosis(status: InferenceDeploymentStatus) -> InferenceDeploymentStatus:
+        # Unchanged findings keep their time: status.diagnosis.time says since when this is the
+        # diagnosis, and an idle deployment costs no status write every interval.
+        previous = status.diagnosis
+        if previous is not None and (previous.summary, previous.findings) == (diagnosis.summary, diagnosis.findings):
+            return status
+        return status.model_copy(update={"diagnosis": diagnosis})
+
+    await reconciler.update_status(namespace, name, with_diagnosis)
