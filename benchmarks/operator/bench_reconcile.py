@@ -9,7 +9,9 @@ settings: 60 s drift pass, 300 s diagnosis), then:
 - a no-op reconcile: annotate every decode Deployment (a child event that changes nothing the operator
   owns), wait until the operator has run N more reconciles (its own metric says so), and divide the
   calls made meanwhile by the reconciles run;
-- idle: calls per CR per minute over --idle-seconds with nothing happening;
+- idle: first the calls until every CR carries its first diagnosis (the diagnosis timer's first run,
+  60 s after a CR appears, writes status once), then calls per CR per minute over --idle-seconds
+  with nothing happening (calls by verb and resource in both);
 - the operator's RSS, idle before the run and at its peak.
 
 `--baseline REF` runs the same for the operator at a git ref (e.g. the commit before the watch caches),
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import subprocess
@@ -77,8 +80,28 @@ def operator_calls(client: EmulatorClient) -> collections.Counter[str]:
     return collections.Counter(str(record.get("verb")) for record in operator_requests(client))
 
 
-def until(check: Callable[[], bool], what: str, every_s: float = 0.2, during: Callable[[], None] | None = None) -> None:
-    deadline = time.monotonic() + LIMIT_S
+def operator_calls_by_resource(client: EmulatorClient) -> collections.Counter[str]:
+    """The operator's calls as "verb resource[/subresource]", e.g. "patch inferencedeployments/status"."""
+    return collections.Counter(
+        f"{record.get('verb')} {record.get('resource')}"
+        + (f"/{record['subresource']}" if record.get("subresource") else "")
+        for record in operator_requests(client)
+    )
+
+
+def diagnosed_count(client: EmulatorClient) -> int:
+    items = client.list(*IDEP, namespace=NAMESPACE)
+    return sum(1 for item in items if (item.get("status") or {}).get("diagnosis"))
+
+
+def until(
+    check: Callable[[], bool],
+    what: str,
+    every_s: float = 0.2,
+    during: Callable[[], None] | None = None,
+    limit_s: float = LIMIT_S,
+) -> None:
+    deadline = time.monotonic() + limit_s
     while not check():
         if during is not None:
             during()
@@ -136,6 +159,7 @@ def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[st
             calls = operator_calls(client)
             result["calls_to_all_ready"] = sum(calls.values())
             result["calls_to_all_ready_by_verb"] = dict(calls.most_common())
+            result["calls_to_all_ready_by_resource"] = dict(operator_calls_by_resource(client).most_common())
 
             # Let the roll-out's last events settle, then one child event per CR.
             time.sleep(3)
@@ -159,14 +183,29 @@ def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[st
                 "calls_per_reconcile_by_verb": {verb: round(n / ran, 2) for verb, n in calls.most_common()},
             }
 
+            # The diagnosis timer's first run on each CR (60 s after it appeared) writes its first
+            # diagnosis once; counted apart, then idle is measured once every CR carries one.
+            client.clear_requests_log()
+            waited = time.monotonic()
+            # An operator without a diagnosis timer (or a slower one) times out here: idle is measured anyway.
+            with contextlib.suppress(TimeoutError):
+                until(lambda: diagnosed_count(client) >= count, "first diagnosis", every_s=1.0, limit_s=150.0)
+            calls = operator_calls_by_resource(client)
+            result["first_diagnosis"] = {
+                "seconds": round(time.monotonic() - waited, 1),
+                "diagnosed": diagnosed_count(client),
+                "calls": sum(calls.values()),
+                "calls_by_resource": dict(calls.most_common()),
+            }
+
             client.clear_requests_log()
             time.sleep(idle_seconds)
             sample_rss()
-            calls = operator_calls(client)
+            calls = operator_calls_by_resource(client)
             result["idle"] = {
                 "seconds": idle_seconds,
                 "calls": sum(calls.values()),
-                "calls_by_verb": dict(calls.most_common()),
+                "calls_by_resource": dict(calls.most_common()),
                 "calls_per_cr_per_minute": round(sum(calls.values()) / count / (idle_seconds / 60), 3),
             }
             result["rss_peak_mib"] = round(peak, 1)
