@@ -128,3 +128,18 @@ def test_contains_ignores_server_fields_but_sees_changes() -> None:
 )
 def test_contains_is_reflexive(value: Any) -> None:
     assert contains(value, value)
+
+
+def test_with_condition_replaces_by_type_and_keeps_the_transition_time_while_status_holds() -> None:
+    from splitserve.api.status import InferenceDeploymentStatus
+
+    first = InferenceDeploymentStatus().with_condition(
+        "Degraded", "True", "MissingSecret", "no secret", now="2026-12-04T08:00:00Z", generation=3
+    )
+    same = first.with_condition("Degraded", "True", "MissingPVC", "no pvc", now="2026-12-04T09:00:00Z", generation=4)
+    flipped = same.with_condition("Degraded", "False", "AsExpected", "", now="2026-12-04T10:00:00Z", generation=4)
+    assert [(c.type, c.reason, c.last_transition_time, c.observed_generation) for c in same.conditions] == [
+        ("Degraded", "MissingPVC", "2026-12-04T08:00:00Z", 4)
+    ]
+    assert [(c.status, c.last_transition_time) for c in flipped.conditions] == [("False", "2026-12-04T10:00:00Z")]
+    assert first.conditions[0].reason == "MissingSecret"  # a copy: the original is unchanged

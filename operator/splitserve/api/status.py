@@ -119,6 +119,28 @@ class InferenceDeploymentStatus(ApiModel):
     optimization: list[OptimizationEvent] = Field(default_factory=list, max_length=20)
     autopilot: AutopilotStatus | None = None
 
+    def with_condition(
+        self,
+        kind: ConditionType | str,
+        status: ConditionStatus,
+        reason: str,
+        message: str,
+        *,
+        now: str,
+        generation: int,
+    ) -> InferenceDeploymentStatus:
+        """A copy with one condition set (like KServe's lifecycle helpers): the one of the same type is
+        replaced, its lastTransitionTime kept while its status does not change."""
+        condition = Condition(
+            type=str(kind),
+            status=status,
+            reason=reason,
+            message=message,
+            last_transition_time=now,
+            observed_generation=generation,
+        )
+        return self.model_copy(update={"conditions": merge_condition(self.conditions, condition)})
+
 
 @dataclass(frozen=True)
 class Problem:

@@ -14,11 +14,9 @@ from typing import Any, Literal
 from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
 from splitserve.api.status import (
     AutopilotStatus,
-    Condition,
     ConditionType,
     InferenceDeploymentStatus,
     Problem,
-    merge_condition,
 )
 from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
@@ -250,15 +248,14 @@ def plan_status(inp: StatusInput) -> StatusPlan:
         now=inp.now,
     )
     if inp.serving_mode is not None and inp.spec is not None:
-        switching = Condition(
-            type=ConditionType.PROGRESSING,
-            status="True",
-            reason="SwitchingMode",
-            message=f"serving {inp.serving_mode} until every {inp.spec.mode} pool has a ready replica",
-            last_transition_time=inp.now,
-            observed_generation=generation,
+        status = status.with_condition(
+            ConditionType.PROGRESSING,
+            "True",
+            "SwitchingMode",
+            f"serving {inp.serving_mode} until every {inp.spec.mode} pool has a ready replica",
+            now=inp.now,
+            generation=generation,
         )
-        status = status.model_copy(update={"conditions": merge_condition(status.conditions, switching)})
     event = None
     if inp.written is not None and previous.autopilot is not None:
         autopilot, event = drop_inactive(inp.written, previous.autopilot, invalid=inp.invalid_overrides)

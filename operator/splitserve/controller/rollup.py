@@ -13,13 +13,11 @@ from typing import Any
 
 from splitserve.api.spec import Mode
 from splitserve.api.status import (
-    Condition,
     ConditionStatus,
     ConditionType,
     InferenceDeploymentStatus,
     PoolStatus,
     Problem,
-    merge_condition,
 )
 
 
@@ -144,24 +142,13 @@ def roll_up(
         if problem is not None
         else (ConditionType.DEGRADED, "False", "AsExpected", "the spec is realised")
     )
-    conditions = list(previous.conditions)
-    for kind, status, reason, message in [ready, *parts, progressing, degraded]:
-        conditions = merge_condition(
-            conditions,
-            Condition(
-                type=str(kind),
-                status=status,
-                reason=reason,
-                message=message,
-                last_transition_time=now,
-                observed_generation=generation,
-            ),
-        )
+    status = previous
+    for kind, value, reason, message in [ready, *parts, progressing, degraded]:
+        status = status.with_condition(kind, value, reason, message, now=now, generation=generation)
     empty = PoolStatus()
-    return previous.model_copy(
+    return status.model_copy(
         update={
             "observed_generation": generation,
-            "conditions": conditions,
             "prefill": prefill.to_status() if prefill and not aggregated else empty,
             "decode": decode.to_status() if decode else empty,
             "router": router.to_status() if router else empty,

@@ -10,7 +10,7 @@ import time
 from typing import Any
 
 from splitserve.api.spec import InferenceDeploymentSpec
-from splitserve.api.status import Condition, InferenceDeploymentStatus, merge_condition
+from splitserve.api.status import InferenceDeploymentStatus
 from splitserve.api.topology import pool_name, worker_roles
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.autoscaling.evaluation import status_for
@@ -87,20 +87,11 @@ async def autoscale_once(
     generation = int(body["metadata"].get("generation", 0))
 
     def update(status: InferenceDeploymentStatus) -> InferenceDeploymentStatus:
-        condition = Condition(
-            type=evaluation.condition.type,
-            status=evaluation.condition.status,
-            reason=evaluation.condition.reason,
-            message=evaluation.condition.message,
-            last_transition_time=stamp,
-            observed_generation=generation,
+        value = evaluation.condition
+        status = status.with_condition(
+            value.type, value.status, value.reason, value.message, now=stamp, generation=generation
         )
-        return status.model_copy(
-            update={
-                "autoscaling": status_for(evaluation, stamp, status.autoscaling),
-                "conditions": merge_condition(status.conditions, condition),
-            }
-        )
+        return status.model_copy(update={"autoscaling": status_for(evaluation, stamp, status.autoscaling)})
 
     await reconciler.update_status(namespace, name, update)
     return evaluation.state
