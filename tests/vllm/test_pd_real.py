@@ -74,8 +74,10 @@ def test_pd_output_equals_aggregated_and_kv_is_transferred(cluster: Cluster, cli
     assert counter(after, name, EXTERNAL) - counter(before, name, EXTERNAL) == prompt_tokens
     local = {"source": "local_compute"}
     assert counter(after, name, local) - counter(before, name, local) == 0, "decode recomputed prompt tokens"
-    assert counter(after, "vllm:nixl_num_failed_transfers_total") == 0
-    assert counter(after, "vllm:nixl_num_failed_notifications_total") == 0
+    # Deltas: the conftest's warm-up may have lost vLLM's 5 s first-handshake race once and retried,
+    # and vLLM counts that lost attempt as a failed transfer. None of this test's requests may fail.
+    for failures in ("vllm:nixl_num_failed_transfers_total", "vllm:nixl_num_failed_notifications_total"):
+        assert counter(after, failures) - counter(before, failures) == 0, failures
 
 
 def test_decode_uses_the_transferred_kv(cluster: Cluster, client: httpx.Client) -> None:
