@@ -70,11 +70,9 @@ def _handshake(cluster: Cluster) -> None:
     body = {"model": MODEL_NAME, "prompt": token_prompt(200, salt="handshake"), **GREEDY, "max_tokens": 2}
     last = ""
     with httpx.Client(timeout=120) as client:
-        for attempt in range(HANDSHAKE_ATTEMPTS):
+        for _ in range(HANDSHAKE_ATTEMPTS):
             try:
                 pd_request(client, cluster.prefill.url, cluster.decode.url, "/v1/completions", body)
-                # Kept so a report can say how often the first handshake lost the race.
-                cluster.measurements["handshake_failed_attempts"] = attempt
                 return
             except httpx.HTTPStatusError as error:
                 last = f"{error.response.status_code} {error.response.text[:300]}"
