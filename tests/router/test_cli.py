@@ -15,6 +15,7 @@ import pytest
 
 from splitserve.router import cli
 from splitserve.router.config import DiscoveryKind
+from splitserve.router.processes import usable_cores
 from splitserve.sim import SimWorker
 from testkit.router import sim_config
 
@@ -23,6 +24,24 @@ def parse(*argv: str) -> argparse.Namespace:
     parser = argparse.ArgumentParser()
     cli.configure(parser)
     return parser.parse_args(list(argv))
+
+
+def test_workers_default_to_the_usable_cores_and_must_be_positive() -> None:
+    cores = usable_cores()
+    assert 1 <= cores <= len(os.sched_getaffinity(0))
+    assert cli.config_from_args(parse("--decode", "http://d:1")).workers == cores
+    assert cli.config_from_args(parse("--decode", "http://d:1", "--workers", "3")).workers == 3
+    with pytest.raises(ValueError, match="--workers must be at least 1"):
+        cli.config_from_args(parse("--decode", "http://d:1", "--workers", "0"))
+
+
+def test_kv_events_endpoint_overrides_are_parsed() -> None:
+    config = cli.config_from_args(
+        parse("--decode", "http://d:1", "--kv-events-endpoint", "http://d:1/=tcp://10.0.0.1:5557")
+    )
+    assert config.kv_event_endpoints == (("http://d:1", "tcp://10.0.0.1:5557"),)
+    with pytest.raises(SystemExit):
+        parse("--decode", "http://d:1", "--kv-events-endpoint", "tcp://10.0.0.1:5557")
 
 
 def test_static_flags_build_the_config() -> None:
@@ -74,13 +93,14 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-async def test_sigterm_stops_accepting_and_finishes_in_flight_streams() -> None:
+@pytest.mark.parametrize("processes", ["1", "2"])
+async def test_sigterm_stops_accepting_and_finishes_in_flight_streams(processes: str) -> None:
     slow = sim_config("aggregated", time_scale=1.0)  # CPU-tiny speed: a 400-token answer takes a while
     async with SimWorker(slow) as worker:
         port = _free_port()
         process = await asyncio.create_subprocess_exec(
             sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-            "--decode", worker.url, "--drain-seconds", "20", "--log-level", "warning",
+            "--decode", worker.url, "--drain-seconds", "20", "--log-level", "warning", "--workers", processes,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )  # fmt: skip
         url = f"http://127.0.0.1:{port}"

@@ -18,15 +18,15 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import aiohttp
 import orjson
 from aiohttp import web
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve.kubeconfig import load_access
 from splitserve.router import errors
 from splitserve.router.config import DiscoveryKind, RouterConfig
 from splitserve.router.discovery import Discovery, DnsDiscovery, KubernetesDiscovery, StaticDiscovery
 from splitserve.router.flow import ClientGone, Flow, Handling, Outcome, RequestContext
-from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policies import PrefixAware, RoutingRequest, make_policy
+from splitserve.router.metrics import RouterMetrics, multiprocess_dir
+from splitserve.router.policies import PrecisePrefix, PrefixAware, RoutingRequest, make_policy
 from splitserve.router.pool import AdmissionBudget, WorkerPool
 from splitserve.router.schema import validate_body
 from splitserve.router.tokens import HuggingFaceTokenizer, PromptMeasurer, Tokenizer
@@ -62,6 +62,12 @@ def _request_record(
     return orjson.dumps(record).decode()
 
 
+def _cache_salt(body: dict[str, object]) -> str | None:
+    # vLLM hashes a request's cache_salt into its first block, so only same-salt requests share KV.
+    salt = body.get("cache_salt")
+    return salt if isinstance(salt, str) and salt else None
+
+
 def make_discovery(config: RouterConfig) -> Discovery:
     if config.discovery is DiscoveryKind.STATIC:
         return StaticDiscovery({"prefill": config.prefill_urls, "decode": config.decode_urls})
@@ -82,7 +88,7 @@ class Router:
         self, config: RouterConfig, discovery: Discovery | None = None, tokenizer: Tokenizer | None = None
     ) -> None:
         self.config = config
-        self.metrics = RouterMetrics()
+        self.metrics = RouterMetrics(shared_dir=multiprocess_dir())
         self.budget = AdmissionBudget(config.queue_limit)
         pool_options = {
             "max_inflight_per_worker": config.max_inflight_per_worker,
@@ -91,6 +97,7 @@ class Router:
             "eject_min_seconds": config.eject_min_seconds,
             "health_interval": config.health_interval,
             "metrics_poll_interval": config.metrics_poll_interval,
+            "kv_event_endpoints": dict(config.kv_event_endpoints),
         }
         self.prefill = WorkerPool(
             "prefill",
@@ -110,9 +117,15 @@ class Router:
         self.discovery = discovery or make_discovery(config)
         if tokenizer is None and config.tokenizer:
             tokenizer = HuggingFaceTokenizer(config.tokenizer)
-        wants_hashes = any(isinstance(p.policy, PrefixAware) for p in (self.prefill, self.decode))
+        pools = (self.prefill, self.decode)
+        wants_hashes = any(isinstance(p.policy, PrefixAware) for p in pools)
+        wants_ids = any(isinstance(p.policy, PrecisePrefix) for p in pools)
         self.measurer = PromptMeasurer(
-            tokenizer, config.prefix_block_tokens, config.approx_bytes_per_token, want_hashes=wants_hashes
+            tokenizer,
+            config.prefix_block_tokens,
+            config.approx_bytes_per_token,
+            want_hashes=wants_hashes,
+            want_token_ids=wants_ids,
         )
         self.flow = Flow(config, self.metrics, self.prefill, self.decode)
         self.draining = False
@@ -134,6 +147,13 @@ class Router:
             loop.create_task(self.prefill.run_background()),
             loop.create_task(self.decode.run_background()),
         ]
+        if self.metrics.shared_dir is not None:
+            self._background.append(loop.create_task(self._publish_pool_gauges()))
+
+    async def _publish_pool_gauges(self) -> None:
+        while True:
+            self.metrics.publish_pools()
+            await asyncio.sleep(1.0)
 
     async def _run_discovery(self) -> None:
         try:
@@ -180,7 +200,7 @@ class Router:
         return web.json_response(body, status=200 if self.ready else 503)
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        response = web.Response(body=generate_latest(self.metrics.registry))
+        response = web.Response(body=self.metrics.exposition())
         response.headers["Content-Type"] = CONTENT_TYPE_LATEST
         return response
 
@@ -199,6 +219,27 @@ class Router:
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=False)
+
+    async def passthrough(self, request: web.Request) -> web.Response:
+        """/tokenize and /detokenize go to a healthy decode worker as they are (vLLM serves both; its
+        ``bench serve`` asks for /tokenize). The engine's answer, errors included, comes back unchanged."""
+        raw = await self._read_body(request)
+        last_error: Exception | None = None
+        for worker in [w for w in self.decode.workers if w.state == "healthy"]:
+            try:
+                timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
+                headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
+                async with worker.session.post(worker.url + request.path, data=raw, headers=headers,
+                                               timeout=timeout) as r:  # fmt: skip
+                    return web.Response(
+                        status=r.status, body=await r.read(), content_type=r.content_type or "application/json"
+                    )
+            except (aiohttp.ClientError, TimeoutError, OSError) as error:
+                last_error = error
+                continue
+        if last_error is not None:
+            log.warning("%s failed on every decode worker: %s", request.path, last_error)
+        raise errors.no_capacity("decode", 0)
 
     async def chat_completions(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, chat=True)
@@ -240,7 +281,12 @@ class Router:
                 raw_body=raw,
                 stream=body.get("stream") is True,
                 request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
-                routing=RoutingRequest(shape.tokens, shape.block_hashes),
+                routing=RoutingRequest(
+                    shape.tokens,
+                    shape.block_hashes,
+                    token_ids=shape.token_ids,
+                    cache_salt=_cache_salt(body),
+                ),
                 started=started,
                 forward_headers=headers,
             )
@@ -300,6 +346,8 @@ def build_app(router: Router) -> web.Application:
     app.router.add_post("/v1/completions", router.completions)
     app.router.add_post("/v1/chat/completions", router.chat_completions)
     app.router.add_get("/v1/models", router.models)
+    app.router.add_post("/tokenize", router.passthrough)
+    app.router.add_post("/detokenize", router.passthrough)
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.readiness)
     app.router.add_get("/metrics", router.metrics_endpoint)

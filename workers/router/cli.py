@@ -13,6 +13,7 @@ from aiohttp import web
 
 from splitserve.router.config import DiscoveryKind, RouterConfig
 from splitserve.router.policies import PolicyName
+from splitserve.router.processes import usable_cores
 
 log = logging.getLogger("splitserve.router")
 
@@ -24,6 +25,13 @@ def _urls(text: str) -> tuple[str, ...]:
             # Workers speak plain HTTP inside the cluster; the upstream client has no TLS.
             raise argparse.ArgumentTypeError(f"not an http:// URL: {url!r}")
     return urls
+
+
+def _endpoint_override(text: str) -> tuple[str, str]:
+    url, sep, endpoint = text.partition("=")
+    if not sep or not url.startswith("http://") or "://" not in endpoint:
+        raise argparse.ArgumentTypeError(f"expected WORKER_URL=tcp://HOST:PORT, got {text!r}")
+    return url.rstrip("/"), endpoint
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -57,6 +65,21 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--drain-seconds", type=float, default=30.0)
     add("--tokenizer", default=None, help="local Hugging Face tokenizer dir (default: 4 bytes ~ 1 token)")
     add("--prefix-block-tokens", type=int, default=16)
+    add(
+        "--kv-events-endpoint",
+        action="append",
+        type=_endpoint_override,
+        default=[],
+        metavar="WORKER_URL=ENDPOINT",
+        help="precise-prefix: where a worker publishes its KV events, e.g. "
+        "http://10.0.0.5:8000=tcp://10.0.0.5:5557 (default: asked from the worker's GET /kv_event_sources)",
+    )
+    add(
+        "--workers",
+        type=int,
+        default=None,
+        help="router processes sharing the port (SO_REUSEPORT); default: the cores this container may use",
+    )
     add("--max-retries", type=int, default=2)
     add("--eject-after-failures", type=int, default=3)
     add("--log-level", default="info", choices=["debug", "info", "warning", "error"])
@@ -78,6 +101,9 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     for flag, value in numbers.items():
         if value <= 0:
             raise ValueError(f"{flag} must be positive, got {value}")
+    workers = usable_cores() if args.workers is None else args.workers
+    if workers < 1:
+        raise ValueError(f"--workers must be at least 1, got {workers}")
     for flag, value in {"--disagg-threshold-tokens": args.disagg_threshold_tokens,
                         "--max-retries": args.max_retries, "--drain-seconds": args.drain_seconds,
                         "--max-inflight-per-worker": args.max_inflight_per_worker}.items():  # fmt: skip
@@ -110,12 +136,14 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         drain_seconds=args.drain_seconds,
         tokenizer=args.tokenizer,
         prefix_block_tokens=args.prefix_block_tokens,
+        kv_event_endpoints=tuple(args.kv_events_endpoint),
+        workers=workers,
         max_retries=args.max_retries,
         eject_after_failures=args.eject_after_failures,
     )
 
 
-async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None:
+async def serve(config: RouterConfig, stop: asyncio.Event | None = None, reuse_port: bool = False) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT), then stop accepting, drain and exit."""
     from splitserve.router.app import Router, build_app
 
@@ -123,7 +151,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None) -> None
     app = build_app(router)
     runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.drain_seconds)
     await runner.setup()
-    site = web.TCPSite(runner, config.host, config.port, backlog=2048, reuse_address=True)
+    site = web.TCPSite(
+        runner, config.host, config.port, backlog=2048, reuse_address=True, reuse_port=reuse_port or None
+    )
     await site.start()
     log.info("router listening on %s:%d (prefill=%s, decode=%s)", config.host, config.port,
              config.prefill_policy, config.decode_policy)  # fmt: skip
@@ -181,6 +211,14 @@ def run(args: argparse.Namespace) -> int:
     if problem:
         print(f"splitserve router: error: {problem}", file=sys.stderr)
         return 1
+    precise = PolicyName.PRECISE_PREFIX.value
+    if precise in (config.prefill_policy, config.decode_policy) and not config.tokenizer:
+        log.warning("precise-prefix without --tokenizer: only prompts sent as token ids can be matched to the "
+                    "engines' cached blocks; other requests are routed by load")  # fmt: skip
+    if config.workers > 1:
+        from splitserve.router.processes import run_processes
+
+        return run_processes(config, args)
     try:
         with asyncio.Runner(loop_factory=_loop_factory()) as runner:
             runner.run(serve(config))

