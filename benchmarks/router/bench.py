@@ -32,6 +32,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 import aiohttp
 
@@ -43,9 +44,26 @@ LOG_DIR = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/splitserve-router-bench"))
 
 
 def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process (all its threads) from /proc."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    """User + system CPU time of a process and every live descendant (all threads) from /proc: a
+    ``--workers N`` router's processes are children of the one started."""
+    parents: dict[int, int] = {}
+    times: dict[int, float] = {}
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(entry.name)] = int(fields[1])
+        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
+    tree, frontier = {pid}, [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, of in parents.items() if of == parent and child not in tree]
+        tree.update(children)
+        frontier.extend(children)
+    return sum(times.get(p, 0.0) for p in tree)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -56,7 +74,7 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[index]
 
 
-def start(argv: list[str], core: int | None, nice: int = 0) -> subprocess.Popen[bytes]:
+def start(argv: list[str], core: int | str | None, nice: int = 0) -> subprocess.Popen[bytes]:
     """Start a process pinned to ``core``; ``nice`` < 0 (root) so that on a shared machine a router
     "on one core" really gets that core."""
     prefix = ["taskset", "-c", str(core)] if core is not None and shutil.which("taskset") else []
@@ -191,7 +209,9 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
     while any(_port_busy(base + i) for i in range(4)):
         base = free_port()
     workers = start(
-        [sys.executable, str(HERE / "fake_worker.py"), "--port", str(base), "--count", "4"], core=0, nice=args.nice
+        [sys.executable, str(HERE / "fake_worker.py"), "--port", str(base), "--count", "4"],
+        core=args.loadgen_cores,
+        nice=args.nice,
     )
     prefill = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
     decode = [f"http://127.0.0.1:{base + 2}", f"http://127.0.0.1:{base + 3}"]
@@ -208,12 +228,11 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
             port = free_port()
             argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                     "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
-                    "--log-level", "warning"]  # fmt: skip
-            router = start(argv, core=1, nice=args.nice)
+                    "--workers", str(args.splitserve_workers), "--log-level", "warning"]  # fmt: skip
+            router = start(argv, core=args.router_cores, nice=args.nice)
             try:
-                rows.append(
-                    await measure(f"splitserve router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
-                )
+                name = f"splitserve router ({policy}, --workers {args.splitserve_workers})"
+                rows.append(await measure(name, f"http://127.0.0.1:{port}", router.pid, args, body))
             finally:
                 stop(router)
         if args.vllm_router:
@@ -224,7 +243,7 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
                         "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
                 # One flag per URL, as vllm-router wants it (--prefill URL [BOOTSTRAP_PORT]).
                 argv = _one_flag_per_url(_one_flag_per_url(argv, "--prefill", prefill), "--decode", decode)
-                router = start(argv, core=1, nice=args.nice)
+                router = start(argv, core=args.router_cores, nice=args.nice)
                 try:
                     rows.append(
                         await measure(f"vllm-router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
@@ -339,19 +358,28 @@ async def policies(args: argparse.Namespace) -> list[dict[str, object]]:
     return results
 
 
-def policies_table(results: list[dict[str, object]]) -> str:
-    lines = [
-        "| prefill policy | requests | errors | TTFT mean (ms) | TTFT p50 (ms) | TTFT p99 (ms) "
-        "| prefill prefix-cache hit rate |",
-        "|---|---|---|---|---|---|---|",
-    ]
-    for r in results:
-        lines.append(
-            f"| {r['prefill_policy']} | {r['requests']} | {r['errors']} "
-            f"| {r['ttft_mean_ms']:.1f} | {r['ttft_p50_ms']:.1f} "
-            f"| {r['ttft_p99_ms']:.1f} | {float(r['prefix_cache_hit_rate']):.0%} |"  # type: ignore[arg-type]
-        )
+def markdown_table(header: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(str(cell) for cell in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def policies_table(results: list[dict[str, Any]]) -> str:
+    header = ["prefill policy", "requests", "errors", "TTFT mean (ms)", "TTFT p50 (ms)", "TTFT p99 (ms)",
+              "prefill prefix-cache hit rate"]  # fmt: skip
+    rows = []
+    for r in results:
+        latencies = [f"{r[key]:.1f}" for key in ("ttft_mean_ms", "ttft_p50_ms", "ttft_p99_ms")]
+        rows.append([r["prefill_policy"], r["requests"], r["errors"], *latencies, f"{r['prefix_cache_hit_rate']:.0%}"])
+    return markdown_table(header, rows)
+
+
+def _cpu_list(text: str) -> set[int]:
+    cores: set[int] = set()
+    for part in text.split(","):
+        low, _, high = part.partition("-")
+        cores.update(range(int(low), int(high or low) + 1))
+    return cores
 
 
 def main() -> None:
@@ -363,6 +391,10 @@ def main() -> None:
     over.add_argument("--seconds", type=float, default=10.0)
     over.add_argument("--concurrency", type=int, default=64)
     over.add_argument("--splitserve-policies", nargs="+", default=["round-robin", "prefix-aware"])
+    over.add_argument("--splitserve-workers", type=int, default=1, help="splitserve router processes (--workers)")
+    over.add_argument("--router-cores", default="1",
+                      help="CPU list every router under test may use (taskset -c), e.g. 1 or 0-1")  # fmt: skip
+    over.add_argument("--loadgen-cores", default="0", help="CPU list of the load generator and the fake workers")
     over.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary")
     over.add_argument(
         "--vllm-router-policies",
@@ -387,7 +419,8 @@ def main() -> None:
     if args.nice:
         os.nice(args.nice)  # the load generator too
     if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
-        os.sched_setaffinity(0, {0})  # the load generator stays off the router's core
+        # The load generator stays off the router's core (overhead: --loadgen-cores; policies: core 0).
+        os.sched_setaffinity(0, _cpu_list(getattr(args, "loadgen_cores", "0")))
     try:
         import uvloop
 

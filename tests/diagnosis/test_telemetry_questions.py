@@ -58,6 +58,8 @@ def tel(buckets: dict[float, float] | None = None, /, **values: float | None) ->
             {"router": {"routingPolicy": {"decode": "prefix-aware"}}},
         ),
         ({}, 600.0, 1000.0, "ok", None),  # already prefix-aware (the default)
+        # precise-prefix routes by prefix too (on the engines' own cache events): nothing to recommend.
+        ({"router": {"routingPolicy": {"prefill": "precise-prefix"}}}, 600.0, 1000.0, "ok", None),
         ({"router": {"routingPolicy": {"prefill": "round-robin"}}}, 50.0, 1000.0, "ok", None),  # little redundancy
         ({}, 0.0, 0.0, "unknown", None),  # no traffic
         ({"engine": {"prefixCaching": False}}, 0.0, 0.0, "recommend", {"engine": {"prefixCaching": True}}),

@@ -6,7 +6,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
+from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role, RoutingPolicy
 
 ALL_CONNECTORS = list(Connector)
 ALL_ROLES = list(Role)
@@ -57,6 +57,7 @@ def _pool(tp: int, extra: list[str]) -> dict[str, Any]:
 
 
 pools = st.builds(_pool, st.sampled_from([1, 2, 4, 8]), extra_args)
+policies = st.sampled_from(list(RoutingPolicy))
 
 
 @st.composite
@@ -96,7 +97,10 @@ def specs(draw: st.DrawFn) -> InferenceDeploymentSpec:
         "mode": mode,
         "prefill": draw(pools),
         "decode": draw(pools),
+        "router": {"routingPolicy": {"prefill": draw(policies), "decode": draw(policies)}},
     }
+    if draw(st.booleans()):
+        wire["engine"]["kvEventsPort"] = draw(st.integers(1024, 65535))
     if draw(st.booleans()):
         wire["model"]["maxModelLen"] = draw(st.integers(16, 131072))
     if draw(st.booleans()):

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
-from splitserve.api.topology import role_pool
+from splitserve.api.topology import publishes_kv_events, role_pool
 from splitserve.builders.vllm_args import (
     CPU_DEFAULT_KV_CACHE_BYTES,
     MODEL_MOUNT_PATH,
@@ -41,6 +41,8 @@ VALUED = {
     "--block-size",
     "--max-num-seqs",
     "--kv-transfer-config",
+    "--prefix-caching-hash-algo",
+    "--kv-events-config",
 }
 
 
@@ -245,6 +247,57 @@ def test_engine_env_values_only_and_user_wins() -> None:
     assert build_engine_launch(spec, Role.PREFILL).env == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "A": "1"}
 
 
+def _events(launch: EngineLaunch) -> dict[str, Any] | None:
+    text = option_value(launch.args, "--kv-events-config")
+    return None if text is None else json.loads(text)
+
+
+@pytest.mark.parametrize(
+    ("mode", "policies", "publishing"),
+    [
+        ("disaggregated", {"prefill": "precise-prefix"}, {Role.PREFILL}),
+        ("disaggregated", {"decode": "precise-prefix"}, {Role.DECODE, Role.AGGREGATED}),
+        ("disaggregated", {"prefill": "precise-prefix", "decode": "precise-prefix"}, set(ALL_ROLES)),
+        ("aggregated", {"decode": "precise-prefix"}, {Role.DECODE, Role.AGGREGATED}),
+        ("disaggregated", {"prefill": "kv-aware", "decode": "prefix-aware"}, set()),
+    ],
+)
+def test_pools_routed_precise_prefix_publish_kv_events(
+    mode: str, policies: dict[str, str], publishing: set[Role]
+) -> None:
+    spec = make_spec(mode=mode, router={"routingPolicy": policies})
+    for role in ALL_ROLES:
+        launch = build_engine_launch(spec, role)
+        if role not in publishing:
+            assert _events(launch) is None and option_value(launch.args, "--prefix-caching-hash-algo") is None
+            continue
+        assert option_value(launch.args, "--prefix-caching-hash-algo") == "sha256_cbor"
+        assert _events(launch) == {
+            "enable_kv_cache_events": True,
+            "publisher": "zmq",
+            "endpoint": "tcp://*:5557",
+            "topic": "kv",
+        }
+
+
+def test_kv_events_port_from_the_spec_or_the_caller() -> None:
+    spec = make_spec(engine={"kvEventsPort": 6100}, router={"routingPolicy": {"decode": "precise-prefix"}})
+    assert (_events(build_engine_launch(spec, Role.DECODE)) or {})["endpoint"] == "tcp://*:6100"
+    # `splitserve up` gives each local worker its own port: they share one host.
+    local = build_engine_launch(spec, Role.DECODE, kv_events_port=23456, cpu=True)
+    assert (_events(local) or {})["endpoint"] == "tcp://*:23456"
+    # Only for a role that publishes: the port alone turns nothing on.
+    assert _events(build_engine_launch(spec, Role.PREFILL, kv_events_port=23456)) is None
+
+
+def test_users_extra_args_override_the_kv_events_config() -> None:
+    mine = '{"enable_kv_cache_events":true,"publisher":"zmq","endpoint":"tcp://*:7000","topic":"mine"}'
+    spec = make_spec(
+        router={"routingPolicy": {"decode": "precise-prefix"}}, decode={"extraArgs": ["--kv-events-config", mine]}
+    )
+    assert option_value(build_engine_launch(spec, Role.DECODE).args, "--kv-events-config") == mine
+
+
 # --------------------------------------------------------------------------- properties
 
 
@@ -278,6 +331,10 @@ def test_generated_specs(spec: InferenceDeploymentSpec, role: Role, cpu: bool, p
         assert config["kv_connector"] == spec.kv_transfer.connector.value
         expected_role = {Role.PREFILL: "kv_producer", Role.DECODE: "kv_consumer"}[role]
         assert config["kv_role"] == ("kv_both" if spec.kv_transfer.connector == Connector.EXAMPLE else expected_role)
+    events = options.get("--kv-events-config")
+    assert (events is not None) == publishes_kv_events(spec, role) == ("--prefix-caching-hash-algo" in options)
+    if events is not None:
+        assert json.loads(events)["endpoint"] == f"tcp://*:{spec.engine.kv_events_port}"
     nixl = moves_kv and spec.kv_transfer.connector == Connector.NIXL
     user_env = {var.name: var.value for var in spec.engine.env if var.value is not None}
     expected_env = {"VLLM_NIXL_SIDE_CHANNEL_PORT": str(spec.kv_transfer.side_channel_port)} if nixl else {}

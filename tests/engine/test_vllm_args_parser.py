@@ -99,3 +99,14 @@ def test_quantization_and_pvc_model_parse(vllm_parser: Any) -> None:
     assert ns.model == "/models/llama"
     assert ns.quantization == "fp8"
     assert ns.enable_chunked_prefill is False
+
+
+@pytest.mark.parametrize("cpu", [False, True])
+def test_kv_events_for_precise_prefix_parse(vllm_parser: Any, cpu: bool) -> None:
+    spec = make_spec(router={"routingPolicy": {"prefill": "precise-prefix"}}, engine={"kvEventsPort": 5558})
+    ns = parse(vllm_parser, build_engine_launch(spec, Role.PREFILL, cpu=cpu).args)
+    assert ns.prefix_caching_hash_algo == "sha256_cbor"
+    assert ns.enable_prefix_caching is True
+    events = ns.kv_events_config
+    assert (events.enable_kv_cache_events, events.publisher) == (True, "zmq")
+    assert (events.endpoint, events.topic) == ("tcp://*:5558", "kv")

@@ -131,3 +131,18 @@ def test_missing_file_and_missing_model(tmp_path: Path, capsys: pytest.CaptureFi
     assert err.count("\n") == 1
     # Depending on the machine, vLLM itself may be what is missing; both are one clear line.
     assert "does not exist" in err or "vLLM is not installed" in err
+
+
+def test_kv_events_port_moves_the_publisher_of_a_precise_prefix_pool(tmp_path: Path, model_dir: Path) -> None:
+    spec_file = tmp_path / "precise.yaml"
+    spec_file.write_text(SPEC_YAML.format(model=model_dir) + "  router: {routingPolicy: {prefill: precise-prefix}}\n")
+    plan = cli.build_plan(parse(["--role", "prefill", "-f", str(spec_file), "--cpu", "--kv-events-port", "23999"]), {})
+    assert '"endpoint":"tcp://*:23999"' in (option_value(plan.vllm_args, "--kv-events-config") or "")
+    assert option_value(plan.vllm_args, "--prefix-caching-hash-algo") == "sha256_cbor"
+    decode = cli.build_plan(parse(["--role", "decode", "-f", str(spec_file), "--kv-events-port", "23999"]), {})
+    assert option_value(decode.vllm_args, "--kv-events-config") is None, "decode is routed least-loaded"
+
+
+def test_kv_events_port_needs_a_spec_file() -> None:
+    with pytest.raises(LaunchError, match=r"--kv-events-port needs -f SPEC\.yaml"):
+        cli.build_plan(parse(["--role", "decode", "--kv-events-port", "23999", "--", "--model", "/m"]), {})

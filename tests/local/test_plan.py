@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import json
+from pathlib import Path
 
 import yaml
 from hypothesis import given, settings
@@ -12,6 +14,8 @@ from hypothesis import strategies as st
 from splitserve.api.topology import Owner
 from splitserve.builders.router import build_router_deployment
 from splitserve.builders.target import Target
+from splitserve.builders.vllm_args import option_value
+from splitserve.engine import cli as worker_cli
 from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment, parse_deployment
 from splitserve.local.plan import Engine, PlanInputs, plan_processes, resolved_document
 from splitserve.router import cli as router_cli
@@ -161,3 +165,54 @@ def test_resolved_document_leaves_a_real_path_alone() -> None:
     assert notes == []
     plan = plan_processes(deployment, _inputs(Engine.VLLM, model_path="/data/llama", spec_path="/run/spec.yaml"))
     assert not _has(plan.router.argv, "--tokenizer"), "only the tiny model's tokenizer is known to be local"
+
+
+# --------------------------------------------------------------------------- precise-prefix routing
+
+
+def _events(argv: tuple[str, ...]) -> dict[str, object] | None:
+    text = option_value(argv, "--kv-events-config")
+    return None if text is None else json.loads(text)
+
+
+def test_sim_workers_of_a_precise_prefix_pool_publish_kv_events_on_their_own_ports() -> None:
+    deployment = _deployment(prefill=2, decode=3, router={"routingPolicy": {"decode": "precise-prefix"}})
+    plan = plan_processes(deployment, _inputs())
+    decode = [w for w in plan.workers if w.name.startswith("decode-")]
+    prefill = [w for w in plan.workers if w.name.startswith("prefill-")]
+    assert all(_events(w.argv) is None for w in prefill), "prefill is routed prefix-aware: no events"
+    endpoints = [(_events(w.argv) or {}).get("endpoint") for w in decode]
+    ports = {int(str(endpoint).removeprefix("tcp://*:")) for endpoint in endpoints}
+    assert len(ports) == 3, f"one publisher port per worker: {endpoints}"
+    assert not ports & {p.port for p in plan.processes}, "never an HTTP port"
+    assert {(_events(w.argv) or {}).get("topic") for w in decode} == {"kv"}
+    assert _arg(plan.router.argv, "--decode-policy") == "precise-prefix"
+
+
+def test_vllm_workers_of_a_precise_prefix_pool_get_a_kv_events_port_their_spec_turns_into_vllm_flags(
+    tmp_path: Path,
+) -> None:
+    deployment = _deployment(prefill=1, decode=2, router={"routingPolicy": {"prefill": "precise-prefix"}})
+    document, _ = resolved_document(deployment, "/models/tiny")
+    spec_file = tmp_path / "spec.yaml"
+    spec_file.write_text(yaml.safe_dump(document))
+    plan = plan_processes(deployment, _inputs(Engine.VLLM, model_path="/models/tiny", spec_path=str(spec_file)))
+    prefill, *decode = plan.workers
+    port = int(_arg(prefill.argv, "--kv-events-port"))
+    taken = {p.port for p in plan.processes} | {int(w.env["VLLM_NIXL_SIDE_CHANNEL_PORT"]) for w in plan.workers}
+    assert port not in taken
+    assert not any(_has(w.argv, "--kv-events-port") for w in decode), "decode is routed least-loaded"
+    # What `splitserve worker` then starts: vLLM with the spec's events config on this worker's port.
+    parser = argparse.ArgumentParser()
+    worker_cli.configure(parser)
+    launch = worker_cli.build_plan(parser.parse_args(list(prefill.argv[len(SPLITSERVE) + 1 :])), {})
+    assert (_events(tuple(launch.vllm_args)) or {}).get("endpoint") == f"tcp://*:{port}"
+    assert option_value(launch.vllm_args, "--prefix-caching-hash-algo") == "sha256_cbor"
+    assert _arg(plan.router.argv, "--tokenizer") == "/models/tiny", "the router tokenizes as the engine"
+
+
+def test_no_kv_events_without_precise_prefix() -> None:
+    for engine in (Engine.SIM, Engine.VLLM):
+        plan = plan_processes(_deployment(prefill=1, decode=1), _inputs(engine, "/models/tiny", "/run/spec.yaml"))
+        for worker in plan.workers:
+            assert not _has(worker.argv, "--kv-events-config") and not _has(worker.argv, "--kv-events-port")

@@ -3,6 +3,7 @@ hypothesis-generated specs; ownership, labels and rollout scope hold for every s
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 from typing import Any
 
@@ -10,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.api.spec import InferenceDeploymentSpec, RoutingPolicy
 from splitserve.api.topology import LABEL_DEPLOYMENT, Owner
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.target import Target
@@ -85,7 +86,13 @@ specs = st.fixed_dictionaries(
         "prefill": _pool(),
         "decode": _pool(),
         "router": st.fixed_dictionaries(
-            {"serviceType": st.sampled_from(["ClusterIP", "LoadBalancer"]), "port": st.integers(1, 65535)}
+            {
+                "serviceType": st.sampled_from(["ClusterIP", "LoadBalancer"]),
+                "port": st.integers(1, 65535),
+                "routingPolicy": st.fixed_dictionaries(
+                    {"prefill": st.sampled_from(list(RoutingPolicy)), "decode": st.sampled_from(list(RoutingPolicy))}
+                ),
+            }
         ),
         "monitoring": st.fixed_dictionaries({"enabled": st.booleans()}),
         "autoscaling": st.fixed_dictionaries({"enabled": st.booleans()}),
@@ -129,6 +136,10 @@ def _templates(doc: dict[str, Any]) -> dict[str, Any]:
         ({"prefill": {"tensorParallelSize": 2, "resources": {"gpus": 2}}}, {"demo-prefill"}),
         ({"router": {"routingPolicy": {"prefill": "round-robin"}}}, {"demo-router"}),
         ({"engine": {"prefixCaching": False}}, {"demo-prefill", "demo-decode"}),
+        # precise-prefix turns on KV events in the pool it routes, and gives the router its policy.
+        ({"router": {"routingPolicy": {"prefill": "precise-prefix"}}}, {"demo-prefill", "demo-router"}),
+        ({"router": {"routingPolicy": {"decode": "precise-prefix"}}}, {"demo-decode", "demo-router"}),
+        ({"engine": {"kvEventsPort": 6000}}, set()),  # no pool publishes events: the port is unused
         ({"router": {"port": 9000}}, set()),
         ({"decode": {"replicas": 2, "maxReplicas": 4}}, set()),
     ],
@@ -181,3 +192,96 @@ def test_secret_and_pvc_sources_reach_the_pod() -> None:
     pod = next(c for c in build_children(target_of(doc)) if c["kind"] == "Deployment")["spec"]["template"]["spec"]
     assert pod["volumes"][-1] == {"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}
     assert "/models/llama" in pod["containers"][0]["args"]
+
+
+# --------------------------------------------------------------------------- precise-prefix routing
+
+PVC_MODEL = {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"}}}
+
+
+def _by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    children = build_children(target_of(doc))
+    for child in children:
+        assert_valid_kubernetes(child)
+    return {f"{c['kind']}/{c['metadata']['name']}": c for c in children}
+
+
+def _container(deployment: dict[str, Any]) -> dict[str, Any]:
+    container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
+    return container
+
+
+def _option(args: list[str], name: str) -> str | None:
+    values = [args[i + 1] for i, arg in enumerate(args[:-1]) if arg == name]
+    values += [arg.split("=", 1)[1] for arg in args if arg.startswith(name + "=")]
+    assert len(values) <= 1, f"{name} given twice: {args}"
+    return values[0] if values else None
+
+
+def test_precise_prefix_pool_publishes_kv_events_on_a_named_port() -> None:
+    children = _by_name(minimal(engine={"kvEventsPort": 5999}, router={"routingPolicy": {"decode": "precise-prefix"}}))
+    decode = _container(children["Deployment/demo-decode"])
+    prefill = _container(children["Deployment/demo-prefill"])
+    assert {"name": "kv-events", "containerPort": 5999, "protocol": "TCP"} in decode["ports"]
+    assert _option(decode["args"], "--prefix-caching-hash-algo") == "sha256_cbor"
+    events = json.loads(_option(decode["args"], "--kv-events-config") or "null")
+    assert events == {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": "tcp://*:5999", "topic": "kv"}
+    # The prefill pool is routed prefix-aware (the default): no events, no port, vLLM's default hash.
+    assert all(port["name"] != "kv-events" for port in prefill["ports"])
+    assert _option(prefill["args"], "--kv-events-config") is None
+    assert _option(prefill["args"], "--prefix-caching-hash-algo") is None
+    router = _container(children["Deployment/demo-router"])["args"]
+    assert (_option(router, "--prefill-policy"), _option(router, "--decode-policy")) == (
+        "prefix-aware",
+        "precise-prefix",
+    )
+
+
+def test_aggregated_pool_follows_the_decode_policy() -> None:
+    aggregated = {"mode": "aggregated", "kvTransfer": {"connector": "None"}}
+    children = _by_name(minimal(**aggregated, router={"routingPolicy": {"decode": "precise-prefix"}}))
+    assert _option(_container(children["Deployment/demo-aggregated"])["args"], "--kv-events-config") is not None
+    # The prefill policy routes no pool in aggregated mode: asking it for precise-prefix changes no worker.
+    children = _by_name(minimal(**aggregated, router={"routingPolicy": {"prefill": "precise-prefix"}}))
+    assert _option(_container(children["Deployment/demo-aggregated"])["args"], "--kv-events-config") is None
+    assert len(children["NetworkPolicy/demo-workers"]["spec"]["ingress"]) == 1
+
+
+def test_network_policy_admits_only_the_router_to_kv_events() -> None:
+    policy = _by_name(minimal(router={"routingPolicy": {"prefill": "precise-prefix"}}))["NetworkPolicy/demo-workers"]
+    http_rule, kv_rule, events_rule = policy["spec"]["ingress"]
+    assert http_rule["ports"] == [{"protocol": "TCP", "port": "http"}]
+    assert kv_rule["ports"][0]["port"] == 5600
+    # Not Prometheus, not the other pool: the router's pods alone, on the port only publishers declare.
+    assert events_rule == {
+        "from": [
+            {"podSelector": {"matchLabels": {"splitserve.io/deployment": "demo", "splitserve.io/role": "router"}}}
+        ],
+        "ports": [{"protocol": "TCP", "port": "kv-events"}],
+    }
+
+
+def test_router_reads_the_tokenizer_from_the_model_claim_read_only() -> None:
+    children = _by_name(minimal(model=PVC_MODEL, router={"routingPolicy": {"decode": "precise-prefix"}}))
+    pod = children["Deployment/demo-router"]["spec"]["template"]["spec"]
+    assert _option(pod["containers"][0]["args"], "--tokenizer") == "/models/llama"
+    assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}]
+    assert pod["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
+    worker_pod = children["Deployment/demo-decode"]["spec"]["template"]["spec"]
+    assert pod["volumes"][0] in worker_pod["volumes"], "the router mounts the workers' own volume"
+    assert "/models/llama" in worker_pod["containers"][0]["args"], "the tokenizer is in the directory vLLM loads"
+
+
+@pytest.mark.parametrize(
+    ("model", "policy"),
+    [
+        ({"name": "m", "source": {"uri": "s3://bucket/m"}}, "precise-prefix"),  # vLLM reads it; the router cannot
+        ({"name": "m", "source": {"huggingFace": {"repo": "o/m"}}}, "precise-prefix"),  # downloaded per worker
+        (PVC_MODEL, "prefix-aware"),  # no exact tokens needed: the router keeps off the claim
+    ],
+)
+def test_router_gets_no_tokenizer_or_volume_otherwise(model: dict[str, Any], policy: str) -> None:
+    children = _by_name(minimal(model=model, router={"routingPolicy": {"decode": policy}}))
+    pod = children["Deployment/demo-router"]["spec"]["template"]["spec"]
+    assert _option(pod["containers"][0]["args"], "--tokenizer") is None
+    assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]

@@ -95,7 +95,25 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.engine.gpuMemoryUtilization",
         "maximum",
     ),
+    (
+        "kv events on the http port",
+        {"engine": {"kvEventsPort": 8000}, "router": {"routingPolicy": {"decode": "precise-prefix"}}},
+        "spec.engine.kvEventsPort",
+        "must differ from engine.port and kvTransfer.sideChannelPort",
+    ),
+    (
+        "kv events on the nixl side channel",
+        {"engine": {"kvEventsPort": 5600}, "router": {"routingPolicy": {"prefill": "precise-prefix"}}},
+        "spec.engine.kvEventsPort",
+        "must differ from engine.port and kvTransfer.sideChannelPort",
+    ),
 ]
+
+
+def test_kv_events_port_is_free_to_clash_when_no_pool_publishes_events() -> None:
+    # The port is unused without precise-prefix, so an old spec that happens to match is not broken.
+    assert validate_object(minimal(engine={"kvEventsPort": 8000})) == []
+    assert validate_object(minimal(router={"routingPolicy": {"decode": "precise-prefix"}})) == []
 
 
 @pytest.mark.parametrize(("case", "overrides", "path", "message"), INVALID, ids=[c[0] for c in INVALID])

@@ -81,3 +81,67 @@ def test_validate_prints_the_warning_and_exits_zero(tmp_path: Path) -> None:
     failed = subprocess.run(["splitserve", "validate", "-f", str(both)], capture_output=True, text=True)
     assert failed.returncode == 1
     assert "WARNING: document 1" in failed.stderr and "document 2 (demo): spec.mode" in failed.stderr
+
+
+# --------------------------------------------------------------------------- precise-prefix routing
+
+PVC_MODEL = {"name": "m", "source": {"pvc": {"claimName": "weights", "path": "/llama"}}}
+
+
+def precise(field: str = "decode", **overrides: Any) -> dict[str, Any]:
+    spec: dict[str, Any] = {"model": PVC_MODEL, "router": {"routingPolicy": {field: "precise-prefix"}}, **overrides}
+    return minimal(**spec)
+
+
+def test_precise_prefix_with_prefix_caching_off_warns_that_no_events_come() -> None:
+    obj = precise(engine={"prefixCaching": False})
+    assert validate_object(obj) == [], "a warning is not an error"
+    (warning,) = object_advice(obj)
+    assert warning.path == "spec.engine.prefixCaching"
+    assert "prefix caching is off but spec.router.routingPolicy.decode is precise-prefix" in warning.message
+    assert "the router would see no events" in warning.message
+    assert "Set spec.engine.prefixCaching to true" in warning.message
+
+
+@pytest.mark.parametrize(
+    ("source", "path"),
+    [
+        ({"uri": "s3://bucket/m"}, "spec.model.source.uri"),
+        ({"huggingFace": {"repo": "o/m"}}, "spec.model.source.huggingFace"),
+    ],
+)
+def test_precise_prefix_without_a_pvc_tokenizes_through_a_worker(source: dict[str, Any], path: str) -> None:
+    (warning,) = object_advice(precise("prefill", model={"name": "m", "source": source}))
+    assert warning.path == path
+    assert warning.message.startswith("spec.router.routingPolicy.prefill is precise-prefix")
+    assert "asks a worker's POST /tokenize for every prompt" in warning.message
+
+
+def test_both_pools_precise_prefix_say_so_once_per_problem() -> None:
+    obj = minimal(
+        engine={"prefixCaching": False},
+        router={"routingPolicy": {"prefill": "precise-prefix", "decode": "precise-prefix"}},
+    )
+    warnings = object_advice(obj)
+    assert [w.path for w in warnings] == ["spec.engine.prefixCaching", "spec.model.source.uri"]
+    assert all("spec.router.routingPolicy.prefill and .decode are precise-prefix" in w.message for w in warnings)
+
+
+@pytest.mark.parametrize(
+    ("obj", "why"),
+    [
+        (precise(), "prefix caching on and the tokenizer on the claim: nothing to warn about"),
+        (minimal(engine={"prefixCaching": False}), "no precise-prefix: events are not needed"),
+        (
+            minimal(
+                mode="aggregated",
+                engine={"prefixCaching": False},
+                router={"routingPolicy": {"prefill": "precise-prefix"}},
+            ),
+            "aggregated mode has no prefill pool: its policy is never used",
+        ),
+    ],
+)
+def test_no_precise_prefix_warning_when_it_would_work_or_is_unused(obj: dict[str, Any], why: str) -> None:
+    assert validate_object(obj) == []
+    assert object_advice(obj) == [], why

@@ -211,12 +211,36 @@ def test_operator_image_names_the_extra_an_engine_command_needs(operator_image: 
         ("tiny-model", str(tmp_path / "model")),
         ("worker", "--role", "decode", "--", "--model", str(tmp_path)),
         ("up", "-f", str(QUICKSTART_FILE), "--engine", "vllm"),
-        ("router", "--decode", "http://127.0.0.1:1", "--tokenizer", str(tmp_path)),
     ):
         result = operator_image.splitserve(*args, cwd=tmp_path, check=False)
         assert result.returncode != 0, args
         assert "splitserve[vllm-cpu]" in result.stderr, (args, result.stderr)
         assert "Traceback" not in result.stderr, (args, result.stderr)
+
+
+def test_operator_image_routes_precise_prefix_with_the_models_tokenizer(
+    operator_image: ArtifactVenv, tmp_path: Path
+) -> None:
+    """The router's precise-prefix needs pyzmq, msgspec, tokenizers and jinja2: runtime dependencies."""
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    tokenizer = Tokenizer(models.WordLevel({"<s>": 0, "hello": 1, "world": 2, "[UNK]": 3}, unk_token="[UNK]"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.add_special_tokens(["<s>"])
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    (tmp_path / "chat_template.jinja").write_text(
+        "{{ bos_token }}{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    )
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"bos_token": "<s>"}))
+    probe = (
+        "import sys, zmq, msgspec\n"
+        "from splitserve.router.tokens import HuggingFaceTokenizer\n"
+        "from splitserve.router.kv_feed import KvEventFeed\n"
+        "t = HuggingFaceTokenizer(sys.argv[1])\n"
+        "print(t.encode_ids('hello world'), t.encode_chat({'messages': [{'role': 'user', 'content': 'world'}]}))\n"
+    )
+    result = operator_image.run("python", "-c", probe, str(tmp_path), cwd=tmp_path)
+    assert result.stdout.split() == ["[1,", "2]", "[0,", "2]"], result.stdout
 
 
 @pytest.mark.emulator

@@ -19,37 +19,12 @@ from splitserve.router.kv_events import (
 from splitserve.router.kv_index import KvBlockIndex, request_keys
 from splitserve.router.policies import PrecisePrefix, RoutingRequest
 
-
-# vLLM 0.32's structs, copied field for field (vllm/distributed/kv_events.py), so the bytes below
-# are the bytes a real engine sends: tagged maps inside an array-like batch, trailing defaults omitted.
-class _Event(msgspec.Struct, omit_defaults=True, tag=True):  # type: ignore[call-arg]
-    pass
-
-
-class _Stored(_Event, tag="BlockStored"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    parent_block_hash: int | None
-    token_ids: list[int]
-    block_size: int
-    lora_id: int | None
-    medium: str | None
-    lora_name: str | None
-    extra_keys: list[tuple[Any, ...] | None] | None = None
-
-
-class _Removed(_Event, tag="BlockRemoved"):  # type: ignore[call-arg]
-    block_hashes: list[int]
-    medium: str | None
-
-
-class _Cleared(_Event, tag="AllBlocksCleared"):  # type: ignore[call-arg]
-    pass
-
-
-class _Batch(msgspec.Struct, array_like=True, omit_defaults=True):  # type: ignore[call-arg]
-    ts: float
-    events: list[Any]
-    data_parallel_rank: int | None = None
+# The simulator's event structs are vLLM 0.32's field for field (tests/sim checks the bytes), so
+# these are the bytes a real engine sends: tagged maps in an array-like batch, defaults omitted.
+from splitserve.sim.kv_events import AllBlocksCleared as _Cleared
+from splitserve.sim.kv_events import BlockRemoved as _Removed
+from splitserve.sim.kv_events import BlockStored as _Stored
+from splitserve.sim.kv_events import EventBatch as _Batch
 
 
 def wire(*events: Any) -> bytes:

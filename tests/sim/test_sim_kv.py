@@ -3,7 +3,15 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from splitserve.sim.kv import KVBlockPool
+from splitserve.sim.kv import Allocation, KVBlockPool
+
+
+def register(pool: KVBlockPool, allocation: Allocation, hashes: list[int]) -> None:
+    """Cache every full block the allocation's hashes name (the tokens are irrelevant here)."""
+    num_full = min(len(allocation.block_ids), len(hashes))
+    num_cached = min(allocation.num_cached_tokens // pool.block_size, num_full)
+    tokens = list(range((num_full - num_cached) * pool.block_size))
+    pool.cache_full_blocks(allocation.block_ids, hashes, tokens, num_cached, num_full)
 
 
 def test_allocation_fails_cleanly_when_full() -> None:
@@ -21,7 +29,7 @@ def test_prefix_blocks_are_reused_and_shared() -> None:
     hashes = [11, 22, 33]
     first = pool.allocate(12, hashes)
     assert first is not None and first.num_cached_tokens == 0
-    pool.register(first.block_ids, hashes)
+    register(pool, first, hashes)
     # While the first request runs, a second one shares its first two blocks (the last token of
     # a prompt is always computed, so the third block is never taken from the cache).
     second = pool.allocate(12, hashes)
@@ -40,7 +48,7 @@ def test_eviction_forgets_cached_content() -> None:
     pool = KVBlockPool(num_blocks=2, block_size=4)
     first = pool.allocate(8, [1, 2])
     assert first is not None
-    pool.register(first.block_ids, [1, 2])
+    register(pool, first, [1, 2])
     pool.free(first.block_ids)
     other = pool.allocate(8, [7, 8])
     assert other is not None and other.num_cached_tokens == 0
@@ -53,7 +61,7 @@ def test_prefix_caching_can_be_disabled() -> None:
     pool = KVBlockPool(num_blocks=8, block_size=4, enable_prefix_caching=False)
     first = pool.allocate(9, [1, 2])
     assert first is not None
-    pool.register(first.block_ids, [1, 2])
+    register(pool, first, [1, 2])
     second = pool.allocate(9, [1, 2])
     assert second is not None and second.num_cached_tokens == 0
 
@@ -74,7 +82,7 @@ def test_blocks_are_never_lost_or_double_booked(ops: list[tuple[bool, int, list[
             if got is not None:
                 assert len(got.block_ids) == pool.blocks_for(tokens)
                 assert len(set(got.block_ids)) == len(got.block_ids)
-                pool.register(got.block_ids, hashes)
+                register(pool, got, hashes)
                 live.append(got.block_ids)
         else:
             pool.free(live.pop(0))

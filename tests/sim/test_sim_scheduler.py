@@ -127,7 +127,8 @@ def test_remote_prefill_pulls_then_needs_one_step_for_the_first_token() -> None:
     assert scheduler.num_deferred == 1 and len(remote.block_ids) == 3
     scheduler.pull_done(remote)
     plan = scheduler.schedule()
-    assert plan.num_prefill_tokens == 1
+    # The last prompt token runs like a decode token: no prefill in this step.
+    assert plan.resumed == [remote] and plan.num_prefill_tokens == 0 and plan.num_decode_seqs == 1
     scheduler.complete(plan)
     run_steps(scheduler, 2)
     assert remote.phase is Phase.FINISHED and len(remote.output) == 3

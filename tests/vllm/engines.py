@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -212,7 +212,14 @@ def stop_all(engines: list[Engine], grace_seconds: float = STOP_GRACE_SECONDS) -
 
 
 def start_engine(
-    name: str, role: str, spec_path: Path, model_dir: Path, log_dir: Path, *, side_channel_port: int | None = None
+    name: str,
+    role: str,
+    spec_path: Path,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    side_channel_port: int | None = None,
+    worker_flags: Sequence[str] = (),
 ) -> Engine:
     port = free_port()
     env = dict(os.environ)
@@ -221,7 +228,17 @@ def start_engine(
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
     log_path = log_dir / f"{name}.log"
     command = splitserve_command(
-        "worker", "--role", role, "-f", str(spec_path), "--cpu", "--port", str(port), "--model", str(model_dir)
+        "worker",
+        "--role",
+        role,
+        "-f",
+        str(spec_path),
+        "--cpu",
+        "--port",
+        str(port),
+        "--model",
+        str(model_dir),
+        *worker_flags,
     )
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -229,7 +246,15 @@ def start_engine(
 
 
 def start_ready_engine(
-    name: str, role: str, spec_path: Path, model_dir: Path, log_dir: Path, *, timeout: float, attempts: int = 3
+    name: str,
+    role: str,
+    spec_path: Path,
+    model_dir: Path,
+    log_dir: Path,
+    *,
+    timeout: float,
+    attempts: int = 3,
+    worker_flags: Callable[[], Sequence[str]] = tuple,
 ) -> Engine:
     """Start an engine and wait until it is ready, on fresh ports again if one was taken meanwhile.
 
@@ -239,7 +264,9 @@ def start_ready_engine(
     """
     for attempt in range(1, attempts + 1):
         side_channel_port = free_port() if role in ("prefill", "decode") else None
-        engine = start_engine(name, role, spec_path, model_dir, log_dir, side_channel_port=side_channel_port)
+        engine = start_engine(
+            name, role, spec_path, model_dir, log_dir, side_channel_port=side_channel_port, worker_flags=worker_flags()
+        )
         try:
             engine.wait_ready(timeout)
             return engine

@@ -55,6 +55,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help=f"KV cache size, e.g. 256M or 1G (--kv-cache-memory-bytes; --cpu default {CPU_DEFAULT_KV_CACHE_BYTES})",
     )
     parser.add_argument(
+        "--kv-events-port",
+        type=int,
+        help="with -f: port of the KV-event publisher when the role's pool is routed precise-prefix "
+        "(default: the spec's engine.kvEventsPort; `splitserve up` gives each local worker its own)",
+    )
+    parser.add_argument(
         "--drain-timeout",
         type=float,
         default=0.0,
@@ -104,12 +110,21 @@ def build_plan(args: argparse.Namespace, environ: dict[str, str]) -> LaunchPlan:
         spec = load_spec(args.file)
         try:
             launch = build_engine_launch(
-                spec, role, port=args.port, model=args.model, cpu=args.cpu, kv_cache_memory_bytes=args.kv_cache_bytes
+                spec,
+                role,
+                port=args.port,
+                model=args.model,
+                cpu=args.cpu,
+                kv_cache_memory_bytes=args.kv_cache_bytes,
+                kv_events_port=args.kv_events_port,
             )
         except ValueError as error:
             raise LaunchError(f"{args.file}: {error}") from error
         vllm_args, launch_env = launch.args, launch.env
     elif args.vllm_args:
+        if args.kv_events_port is not None:
+            # After `--` the KV-event endpoint is whatever --kv-events-config says; nothing to splice into.
+            raise LaunchError("--kv-events-port needs -f SPEC.yaml; after -- set the port in --kv-events-config")
         vllm_args = list(args.vllm_args)
         if args.port is not None:
             vllm_args = with_option(vllm_args, "--port", str(args.port))

@@ -12,8 +12,10 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from splitserve.api.spec import Connector
+from splitserve.api.spec import Connector, Role
+from splitserve.api.topology import publishes_kv_events
 from splitserve.builders.router import router_args
+from splitserve.builders.vllm_args import kv_events_args
 from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment
 from splitserve.local.ports import LOOPBACK
 
@@ -87,10 +89,13 @@ def _sim_worker(name: str, role: str, port: int, deployment: LocalDeployment, in
     argv += ["--model", deployment.spec.model.name]
     if inputs.sim_profile:
         argv += ["--profile", inputs.sim_profile]
+    if publishes_kv_events(deployment.spec, role):
+        # The simulator takes vLLM's own flag; each worker its own port, as all share this host.
+        argv += kv_events_args(deployment.spec, Role(role), port=inputs.allocate_port())
     return ProcessSpec(name=name, argv=tuple(argv), port=port, ready_path="/health")
 
 
-def _vllm_worker(name: str, role: str, port: int, inputs: PlanInputs) -> ProcessSpec:
+def _vllm_worker(name: str, role: str, port: int, deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
     if inputs.model_path is None or inputs.spec_path is None:
         raise ValueError("engine vllm needs model_path and spec_path")
     argv = [*inputs.splitserve, "worker", "--role", role, "-f", inputs.spec_path, "--port", str(port)]
@@ -103,6 +108,10 @@ def _vllm_worker(name: str, role: str, port: int, inputs: PlanInputs) -> Process
         "HF_HUB_OFFLINE": "1",
         "TRANSFORMERS_OFFLINE": "1",
     }
+    if publishes_kv_events(deployment.spec, role):
+        # `splitserve worker` builds --kv-events-config (and the hash algorithm) from the spec, as in a
+        # pod; only the port differs: engine.kvEventsPort would be the same for every local worker.
+        argv += ["--kv-events-port", str(inputs.allocate_port())]
     return ProcessSpec(name=name, argv=tuple(argv), port=port, ready_path="/health", env=env)
 
 
@@ -127,7 +136,7 @@ def plan_processes(deployment: LocalDeployment, inputs: PlanInputs) -> LocalPlan
         if inputs.engine is Engine.SIM:
             workers.append(_sim_worker(name, role, port, deployment, inputs))
         else:
-            workers.append(_vllm_worker(name, role, port, inputs))
+            workers.append(_vllm_worker(name, role, port, deployment, inputs))
     router = _router(deployment, workers, inputs)
     return LocalPlan(workers=tuple(workers), router=router, model_name=deployment.spec.model.name)
 

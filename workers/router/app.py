@@ -24,10 +24,11 @@ from splitserve.kubeconfig import load_access
 from splitserve.router import errors
 from splitserve.router.config import DiscoveryKind, RouterConfig
 from splitserve.router.discovery import Discovery, DnsDiscovery, KubernetesDiscovery, StaticDiscovery
+from splitserve.router.engine_tokens import EngineTokens
 from splitserve.router.flow import ClientGone, Flow, Handling, Outcome, RequestContext
 from splitserve.router.metrics import RouterMetrics, multiprocess_dir
 from splitserve.router.policies import PrecisePrefix, PrefixAware, RoutingRequest, make_policy
-from splitserve.router.pool import AdmissionBudget, WorkerPool
+from splitserve.router.pool import AdmissionBudget, Worker, WorkerPool
 from splitserve.router.schema import validate_body
 from splitserve.router.tokens import HuggingFaceTokenizer, PromptMeasurer, Tokenizer
 
@@ -127,11 +128,18 @@ class Router:
             want_hashes=wants_hashes,
             want_token_ids=wants_ids,
         )
+        # precise-prefix without a local tokenizer asks the engine for the exact token ids.
+        self.engine_tokens = EngineTokens(self._tokenizing_workers) if wants_ids and tokenizer is None else None
         self.flow = Flow(config, self.metrics, self.prefill, self.decode)
         self.draining = False
         self.active_requests = 0
         self._idle = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
+
+    def _tokenizing_workers(self) -> list[Worker]:
+        # Least busy first: tokenizing is cheap, but a worker deep in a long prefill answers late.
+        healthy = [w for w in self.decode.workers if w.state == "healthy"]
+        return sorted(healthy, key=lambda w: w.inflight)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -273,6 +281,9 @@ class Router:
             if self.config.model is not None and body["model"] != self.config.model:
                 raise errors.model_not_found(body["model"])
             shape = self.measurer.measure(body)
+            token_ids = shape.token_ids
+            if self.engine_tokens is not None and not token_ids:
+                token_ids = await self.engine_tokens.token_ids(body)
             self.metrics.prompt_tokens.observe(shape.tokens)
             headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
             ctx = RequestContext(
@@ -284,7 +295,7 @@ class Router:
                 routing=RoutingRequest(
                     shape.tokens,
                     shape.block_hashes,
-                    token_ids=shape.token_ids,
+                    token_ids=token_ids,
                     cache_salt=_cache_salt(body),
                 ),
                 started=started,

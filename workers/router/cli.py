@@ -63,7 +63,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--disagg-threshold-tokens", type=int, default=0, help="shorter prompts go straight to decode")
     add("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     add("--drain-seconds", type=float, default=30.0)
-    add("--tokenizer", default=None, help="local Hugging Face tokenizer dir (default: 4 bytes ~ 1 token)")
+    add("--tokenizer", default=None,
+        help="the model's local tokenizer dir (tokenizer.json, chat template); without it a token is ~4 bytes "
+             "and precise-prefix asks a worker's /tokenize")  # fmt: skip
     add("--prefix-block-tokens", type=int, default=16)
     add(
         "--kv-events-endpoint",
@@ -213,8 +215,8 @@ def run(args: argparse.Namespace) -> int:
         return 1
     precise = PolicyName.PRECISE_PREFIX.value
     if precise in (config.prefill_policy, config.decode_policy) and not config.tokenizer:
-        log.warning("precise-prefix without --tokenizer: only prompts sent as token ids can be matched to the "
-                    "engines' cached blocks; other requests are routed by load")  # fmt: skip
+        log.info("precise-prefix without --tokenizer: each prompt is tokenized by a worker (POST /tokenize) "
+                 "before routing, one round trip per request")  # fmt: skip
     if config.workers > 1:
         from splitserve.router.processes import run_processes
 

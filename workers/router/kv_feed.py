@@ -98,9 +98,10 @@ class KvEventFeed:
         self._context = zmq.asyncio.Context()
         self._tasks: dict[str, asyncio.Task[None]] = {}
         self._session: aiohttp.ClientSession | None = None
-        # Counted for /metrics and tests: how the feed has recovered.
+        # Counted for /metrics and tests: how the feed has recovered, and how far it has read.
         self.gaps_replayed = 0
         self.resets = 0
+        self.last_seq: dict[str, int] = {}  # per worker: the newest batch applied (any DP rank)
 
     def watch(self, worker_url: str) -> None:
         url = worker_url.rstrip("/")
@@ -113,6 +114,7 @@ class KvEventFeed:
         if task is not None:
             task.cancel()
         self.index.forget(url)
+        self.last_seq.pop(url, None)
 
     @property
     def watched(self) -> list[str]:
@@ -241,6 +243,7 @@ class _Follower:
             self._reset(f"missed batches {expected}..{batch.seq - 1}")
         feed.index.apply(url, batch.events)
         self._last_seq = batch.seq
+        feed.last_seq[url] = batch.seq
 
     def _reset(self, why: str) -> None:
         log.info("rebuilding the KV index of %s: %s", self._url, why)

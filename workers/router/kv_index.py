@@ -93,6 +93,11 @@ class KvBlockIndex:
             count += 1
         return count
 
+    def engine_hashes(self, worker: str) -> set[int]:
+        """The engine's own hashes of the blocks the index says the worker holds."""
+        blocks = self._workers.get(worker)
+        return set() if blocks is None else set(blocks.key_of_engine_hash)
+
     def blocks_held(self, worker: str) -> int:
         blocks = self._workers.get(worker)
         return 0 if blocks is None else len(blocks.media)

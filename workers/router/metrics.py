@@ -33,6 +33,10 @@ class PoolView(Protocol):
     @property
     def workers(self) -> Sequence[Any]: ...
 
+    def kv_index_state(self) -> dict[str, tuple[int, int]]:
+        """precise-prefix, per worker: (cached blocks indexed, newest event seq applied); empty otherwise."""
+        ...
+
 
 class PoolCollector(Collector):
     """Pool gauges computed from the pools' own counters when Prometheus scrapes, so the request
@@ -51,7 +55,20 @@ class PoolCollector(Collector):
             p + "worker_inflight", "Requests in flight per worker", labels=["pool", "worker"]
         )
         states = GaugeMetricFamily(p + "workers", "Known workers by pool and state", labels=["pool", "state"])
+        indexed = GaugeMetricFamily(
+            p + "kv_index_blocks",
+            "precise-prefix: cached blocks each worker's KV events say it holds",
+            labels=["pool", "worker"],
+        )
+        applied = GaugeMetricFamily(
+            p + "kv_events_seq",
+            "precise-prefix: sequence number of the newest KV-event batch applied from each worker (-1: none yet)",
+            labels=["pool", "worker"],
+        )
         for pool in self._pools:
+            for url, (blocks, seq) in pool.kv_index_state().items():
+                indexed.add_metric([pool.name, url], blocks)
+                applied.add_metric([pool.name, url], seq)
             queue.add_metric([pool.name], pool.queue_depth)
             inflight.add_metric([pool.name], pool.inflight)
             counts = dict.fromkeys(("healthy", "ejected", "terminating"), 0)
@@ -61,7 +78,7 @@ class PoolCollector(Collector):
                     counts[str(worker.state)] += 1
             for state, count in counts.items():
                 states.add_metric([pool.name, state], count)
-        return [queue, inflight, per_worker, states]
+        return [queue, inflight, per_worker, states, indexed, applied]
 
 
 class PoolGauges:
@@ -73,8 +90,10 @@ class PoolGauges:
     second and just before a scrape, so the request path still pays nothing.
     """
 
+    # Every process indexes the same events: the index size is the same in each (report the highest),
+    # and the slowest process's last applied batch is how far the whole router has read.
     _MODES = {"queue_depth": "livesum", "inflight_requests": "livesum", "worker_inflight": "livesum",
-              "workers": "livemax"}  # fmt: skip
+              "workers": "livemax", "kv_index_blocks": "livemax", "kv_events_seq": "livemin"}  # fmt: skip
 
     def __init__(self, pools: Sequence[PoolView], registry: CollectorRegistry) -> None:
         self._collector = PoolCollector(pools)
@@ -101,7 +120,8 @@ class PoolGauges:
 
 
 _FAMILY_LABELS = {"queue_depth": ["pool"], "inflight_requests": ["pool"], "worker_inflight": ["pool", "worker"],
-                  "workers": ["pool", "state"]}  # fmt: skip
+                  "workers": ["pool", "state"], "kv_index_blocks": ["pool", "worker"],
+                  "kv_events_seq": ["pool", "worker"]}  # fmt: skip
 
 
 def multiprocess_dir() -> str | None:

@@ -150,6 +150,13 @@ class WorkerPool:
     def queue_depth(self) -> int:
         return len(self._waiters)
 
+    def kv_index_state(self) -> dict[str, tuple[int, int]]:
+        """precise-prefix: per worker, (blocks its KV events say it holds, newest event seq applied or -1)."""
+        feed = self.kv_feed
+        if feed is None:
+            return {}
+        return {w.url: (feed.index.blocks_held(w.url), feed.last_seq.get(w.url, -1)) for w in self._workers.values()}
+
     def set_endpoints(self, ready: Iterable[str], terminating: Iterable[str] = ()) -> None:
         """Apply a discovery snapshot: new URLs join, terminating ones get no new requests, missing
         ones leave (their connection pool closes once their last request finishes)."""

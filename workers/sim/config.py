@@ -7,9 +7,11 @@ calibration table at the bottom of this module, so recalibrating means editing o
 from __future__ import annotations
 
 import dataclasses
+import json
 import math
 from dataclasses import dataclass, field
 from enum import StrEnum
+from typing import Any
 
 from splitserve.api.spec import Role as Role  # one Role for the API, the operator and the simulator
 
@@ -102,6 +104,110 @@ class FaultConfig:
 
 
 @dataclass(frozen=True)
+class KVEventsConfig:
+    """vLLM's ``--kv-events-config`` (``vllm/config/kv_events.py``): same fields, defaults and JSON.
+
+    ``publisher`` left out (None) means "zmq" when events are enabled and "null" otherwise, as in vLLM.
+    An ``endpoint`` containing ``*`` (or ``::``, or ipc/inproc) is bound, any other is connected to;
+    ``tcp://*:0`` binds a free port on the advertised host and reports the bound endpoint.
+    """
+
+    enable_kv_cache_events: bool = False
+    publisher: str | None = None
+    endpoint: str = "tcp://*:5557"
+    replay_endpoint: str | None = None
+    buffer_steps: int = 10_000
+    """Batches kept for the replay socket."""
+    hwm: int = 100_000
+    """ZMQ send high-water mark of the PUB socket."""
+    max_queue_size: int = 100_000
+    """Batches queued for the publisher thread before new ones are dropped."""
+    topic: str = ""
+
+    def __post_init__(self) -> None:
+        if self.publisher is None:
+            object.__setattr__(self, "publisher", "zmq" if self.enable_kv_cache_events else "null")
+
+    @classmethod
+    def from_json(cls, text: str) -> KVEventsConfig:
+        """Parse the flag's JSON object; unknown keys and wrong types are errors (ValueError)."""
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"--kv-events-config is not JSON: {error}") from error
+        if not isinstance(raw, dict):
+            raise ValueError("--kv-events-config must be a JSON object")
+        return cls.from_dict(raw)
+
+    @classmethod
+    def from_dict(cls, raw: dict[str, Any]) -> KVEventsConfig:
+        known = {f.name: f for f in dataclasses.fields(cls)}
+        unknown = sorted(set(raw) - set(known))
+        if unknown:
+            raise ValueError(f"unknown kv-events-config keys: {', '.join(unknown)}; known: {', '.join(known)}")
+        for name, value in raw.items():
+            expected = _KV_EVENTS_TYPES[name]
+            if not isinstance(value, expected) or (isinstance(value, bool) and bool not in expected):
+                raise ValueError(f"kv-events-config {name!r} has the wrong type: {value!r}")
+        return cls(**raw)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The JSON vLLM serves for this config in GET /kv_event_sources."""
+        return dataclasses.asdict(self)
+
+    @property
+    def publishes(self) -> bool:
+        """Whether a real publisher runs (vLLM's factory gives a no-op one otherwise)."""
+        return self.enable_kv_cache_events and self.publisher != "null"
+
+    def shifted(self, offset: int) -> KVEventsConfig:
+        """This config for the ``offset``-th engine of a group, as vLLM offsets endpoints per DP rank."""
+        return dataclasses.replace(
+            self,
+            endpoint=offset_endpoint_port(self.endpoint, offset) or self.endpoint,
+            replay_endpoint=offset_endpoint_port(self.replay_endpoint, offset),
+        )
+
+    def problems(self) -> list[str]:
+        found: list[str] = []
+        if self.publisher not in ("null", "zmq"):
+            found.append(f"kv-events-config publisher must be 'null' or 'zmq', not {self.publisher!r}")
+        for name, endpoint in (("endpoint", self.endpoint), ("replay_endpoint", self.replay_endpoint)):
+            if endpoint is not None and not endpoint.startswith(("tcp://", "ipc://", "inproc://")):
+                found.append(f"kv-events-config {name} must be a tcp://, ipc:// or inproc:// address: {endpoint!r}")
+        for name in ("buffer_steps", "max_queue_size"):
+            if getattr(self, name) <= 0:
+                found.append(f"kv-events-config {name} must be positive")
+        if self.hwm < 0:
+            found.append("kv-events-config hwm must not be negative")
+        return found
+
+
+_KV_EVENTS_TYPES: dict[str, tuple[type, ...]] = {
+    "enable_kv_cache_events": (bool,),
+    "publisher": (str, type(None)),
+    "endpoint": (str,),
+    "replay_endpoint": (str, type(None)),
+    "buffer_steps": (int,),
+    "hwm": (int,),
+    "max_queue_size": (int,),
+    "topic": (str,),
+}
+
+
+def offset_endpoint_port(endpoint: str | None, offset: int) -> str | None:
+    """vLLM's ``ZmqEventPublisher.offset_endpoint_port``: tcp port + offset (0 stays 0), inproc suffix."""
+    if not endpoint or offset == 0:
+        return endpoint
+    if "inproc" in endpoint:
+        return f"{endpoint}_dp{offset}"
+    if "tcp" in endpoint and ":" in endpoint:
+        base, _, port = endpoint.rpartition(":")
+        return endpoint if int(port) == 0 else f"{base}:{int(port) + offset}"
+    return endpoint
+
+
+@dataclass(frozen=True)
 class SimConfig:
     """Everything one simulated worker needs. Build from a profile with ``SimConfig.from_profile``."""
 
@@ -129,6 +235,10 @@ class SimConfig:
     drain_timeout_s: float = 30.0
     kv_load_failure_policy: KVLoadFailurePolicy = field(default_factory=lambda: KVLoadFailurePolicy.FAIL)
     """Decode side, when a KV pull fails: answer an error ("fail") or prefill locally ("recompute")."""
+    kv_events: KVEventsConfig | None = None
+    """vLLM's --kv-events-config: publish KV-cache events over ZMQ; None (or disabled) publishes nothing."""
+    tokenizer: str | None = None
+    """The model's tokenizer directory (tokenizer.json, chat template); None uses the stand-in tokenizer."""
 
     def __post_init__(self) -> None:
         # Accept plain strings ("decode") from callers that build configs from text.
@@ -152,6 +262,8 @@ class SimConfig:
             found.append("fail_rate must be between 0 and 1")
         if self.kv_hold_timeout_s <= 0:
             found.append("kv_hold_timeout_s must be positive")
+        if self.kv_events is not None:
+            found.extend(self.kv_events.problems())
         return found
 
     @property

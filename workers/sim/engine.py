@@ -3,7 +3,11 @@
 Each loop iteration asks the scheduler for a plan, sleeps for the plan's modelled duration (times
 ``time_scale``), applies it, and hands every emitted token to its request's event queue. KV pulls
 for remote-prefilled requests run as separate tasks through an injected ``KVPuller`` (HTTP in the
-server), so this module has no network code. The prefill side's held KV lives here too.
+server), and KV-cache events go to an injected ``KVEventSink`` (the ZMQ publisher in the server), so
+this module has no network code. The prefill side's held KV lives here too.
+
+KV events: as vLLM's scheduler does in ``update_from_output``, the pool's events are drained after
+every step and handed over as one ``KVEventBatch`` when there are any.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 
 from splitserve.sim.config import KVLoadFailurePolicy, SimConfig
+from splitserve.sim.kv_events import KVEventBatch
 from splitserve.sim.metrics import LiveState, SimMetrics
 from splitserve.sim.scheduler import Phase, Scheduler, Sequence, StepPlan
 
@@ -76,6 +81,8 @@ class PullRequest:
 
 
 KVPuller = Callable[[RemotePrefill, PullRequest], Awaitable[None]]
+KVEventSink = Callable[[KVEventBatch], None]
+"""Takes one step's KV events; must not block (the publisher only enqueues)."""
 
 
 @dataclass(frozen=True)
@@ -120,11 +127,14 @@ class _HeldKV:
 
 
 class SimEngine:
-    def __init__(self, config: SimConfig, engine_id: str, puller: KVPuller) -> None:
+    def __init__(
+        self, config: SimConfig, engine_id: str, puller: KVPuller, kv_events: KVEventSink | None = None
+    ) -> None:
         self.config = config
         self.engine_id = engine_id
         self._puller = puller
-        self.scheduler = Scheduler(config.limits)
+        self._kv_events = kv_events
+        self.scheduler = Scheduler(config.limits, enable_kv_cache_events=kv_events is not None)
         self.metrics = SimMetrics(
             config.model,
             config.limits,
@@ -300,7 +310,7 @@ class SimEngine:
                 await self._wake.wait()
                 deadline = loop.time()
                 continue
-            seconds = self.config.latency.step_seconds(len(plan.decode), plan.num_prefill_tokens)
+            seconds = plan.seconds(self.config.latency)
             deadline = max(deadline, loop.time() - MAX_CATCH_UP_S) + seconds * self.config.time_scale
             await asyncio.sleep(max(0.0, deadline - loop.time()))
             self.steps += 1
@@ -324,6 +334,7 @@ class SimEngine:
 
     def _after_step(self, plan: StepPlan) -> None:
         result = self.scheduler.complete(plan)
+        self.publish_kv_events()
         now = time.monotonic()
         for seq in result.prefill_done:
             request = self._requests.get(seq)
@@ -349,6 +360,26 @@ class SimEngine:
             self._observe_finished(request, now)
             params = self._hold(request) if seq.remote_decode else None
             request.events.put_nowait(DoneEvent(params))
+
+    def set_kv_event_sink(self, sink: KVEventSink) -> None:
+        self._kv_events = sink
+
+    def publish_kv_events(self) -> None:
+        """Hand the KV events recorded since the last call to the sink, as one batch."""
+        if self._kv_events is None:
+            return
+        events = self.scheduler.pool.take_events()
+        if events:
+            self._kv_events(KVEventBatch(ts=time.time(), events=events))
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset_prefix_cache: forget all cached blocks; False while any block is in use.
+
+        The ``AllBlocksCleared`` event goes out at once: an idle engine runs no step to carry it.
+        """
+        reset = self.scheduler.pool.reset_prefix_cache()
+        self.publish_kv_events()
+        return reset
 
     def _count_prompt(self, seq: Sequence) -> None:
         prompt = seq.num_prompt_tokens

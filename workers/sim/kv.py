@@ -1,9 +1,24 @@
-"""KV cache block pool with a prefix cache, modelled on vLLM's block manager (pure logic, no I/O).
+"""KV cache block pool with a prefix cache, modelled on vLLM's block pool (pure logic, no I/O).
 
 Blocks are reference counted. A block whose count drops to zero goes to the free queue but keeps
 its content hash, so a later request with the same prefix can reuse it (a prefix cache hit) until
-the block is handed out again. The free queue is evicted least-recently-freed first, and a
-request's blocks are freed tail first, so the shared beginnings of prompts survive longest.
+the block is handed out again. As in vLLM's ``BlockPool.free_blocks``, freed blocks without a hash
+go to the front of the free queue (nothing to lose by reusing them) and cached ones to the back, so
+eviction is least-recently-freed first among cached blocks; a request's blocks are freed tail
+first, so the shared beginnings of prompts survive longest.
+
+With ``enable_kv_cache_events`` the pool records vLLM's KV events as ``BlockPool`` does, and the
+engine drains them once per step with ``take_events``:
+
+* ``BlockStored`` when full blocks of one request enter the prefix cache (``cache_full_blocks``):
+  one event for the run of newly cached blocks, its parent the hash of the block before them
+  (None when they start the sequence), with exactly those blocks' token ids.
+* ``BlockRemoved`` for each cached block evicted when the free queue hands it out again.
+* ``AllBlocksCleared`` when the prefix cache is reset.
+
+Like vLLM, two blocks may hold the same hash (two requests that computed the same prefix at the
+same time): both are cached, both emit ``BlockStored``, lookups use the first, and each eviction
+emits its own ``BlockRemoved``.
 """
 
 from __future__ import annotations
@@ -11,6 +26,11 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+
+from splitserve.sim.kv_events import MEDIUM_GPU, AllBlocksCleared, BlockRemoved, BlockStored, KVEvent
+
+KV_CACHE_GROUP = 0
+"""vLLM's kv_cache_group_id of a model with one attention type; published as ``group_idx``."""
 
 
 @dataclass(frozen=True)
@@ -20,14 +40,25 @@ class Allocation:
 
 
 class KVBlockPool:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(
+        self,
+        num_blocks: int,
+        block_size: int,
+        enable_prefix_caching: bool = True,
+        enable_kv_cache_events: bool = False,
+        medium: str = MEDIUM_GPU,
+    ) -> None:
         self.num_blocks = num_blocks
         self.block_size = block_size
         self.enable_prefix_caching = enable_prefix_caching
+        self.enable_kv_cache_events = enable_kv_cache_events
+        self.medium = medium
         self._refcount = [0] * num_blocks
         self._hash_of_block: list[int | None] = [None] * num_blocks
-        self._block_of_hash: dict[int, int] = {}
+        # hash -> the blocks holding it, first cached first (an ordered set: lookups take the first).
+        self._blocks_of_hash: dict[int, dict[int, None]] = {}
         self._free: OrderedDict[int, None] = OrderedDict((block, None) for block in range(num_blocks))
+        self._events: list[KVEvent] = []
 
     @property
     def num_free(self) -> int:
@@ -50,10 +81,10 @@ class KVBlockPool:
         if not self.enable_prefix_caching:
             return found
         for block_hash in hashes:
-            block = self._block_of_hash.get(block_hash)
-            if block is None:
+            holders = self._blocks_of_hash.get(block_hash)
+            if not holders:
                 break
-            found.append(block)
+            found.append(next(iter(holders)))
         return found
 
     def allocate(self, num_tokens: int, hashes: Sequence[int] = ()) -> Allocation | None:
@@ -80,22 +111,82 @@ class KVBlockPool:
         block_ids.extend(self._pop_free() for _ in range(max(0, missing)))
         return True
 
-    def register(self, block_ids: Sequence[int], hashes: Sequence[int]) -> None:
-        """Record that ``block_ids`` now hold the content named by ``hashes`` (full blocks only)."""
-        if not self.enable_prefix_caching:
+    def cache_full_blocks(
+        self,
+        block_ids: Sequence[int],
+        hashes: Sequence[int],
+        token_ids: Sequence[int],
+        num_cached_blocks: int,
+        num_full_blocks: int,
+    ) -> None:
+        """Put blocks ``num_cached_blocks`` to ``num_full_blocks`` of a request into the prefix cache.
+
+        As vLLM's ``BlockPool.cache_full_blocks``: ``block_ids`` are the request's blocks, ``hashes``
+        its chained block hashes (at least ``num_full_blocks``), ``token_ids`` the tokens of the newly
+        full blocks only (prompt then output: vLLM passes the whole request, a slice is cheaper);
+        blocks before ``num_cached_blocks`` are cached already (prefix hits or earlier steps) and are
+        not announced again.
+        """
+        if not self.enable_prefix_caching or num_cached_blocks >= num_full_blocks:
             return
-        for block, block_hash in zip(block_ids, hashes, strict=False):
-            if self._hash_of_block[block] is None and block_hash not in self._block_of_hash:
-                self._hash_of_block[block] = block_hash
-                self._block_of_hash[block_hash] = block
+        for index in range(num_cached_blocks, num_full_blocks):
+            self._insert(block_ids[index], hashes[index])
+        if self.enable_kv_cache_events:
+            if len(token_ids) != (num_full_blocks - num_cached_blocks) * self.block_size:
+                raise ValueError("token_ids must be exactly the tokens of the newly cached blocks")
+            self._events.append(
+                BlockStored(
+                    block_hashes=list(hashes[num_cached_blocks:num_full_blocks]),
+                    parent_block_hash=hashes[num_cached_blocks - 1] if num_cached_blocks else None,
+                    token_ids=list(token_ids),
+                    block_size=self.block_size,
+                    lora_id=None,
+                    medium=self.medium,
+                    lora_name=None,
+                    group_idx=KV_CACHE_GROUP,
+                )
+            )
 
     def free(self, block_ids: Sequence[int]) -> None:
+        """Release one reference to each block, tail first (the order vLLM frees a request's blocks)."""
+        reuse_first: list[int] = []
         for block in reversed(block_ids):
             if self._refcount[block] <= 0:
                 raise ValueError(f"block {block} freed more often than taken")
             self._refcount[block] -= 1
             if self._refcount[block] == 0:
-                self._free[block] = None
+                if self._hash_of_block[block] is None:
+                    reuse_first.append(block)
+                else:
+                    self._free[block] = None  # cached: evicted last (LRU)
+        for block in reversed(reuse_first):
+            self._free[block] = None
+            self._free.move_to_end(block, last=False)
+
+    def reset_prefix_cache(self) -> bool:
+        """Forget every cached hash (vLLM's ``reset_prefix_cache``); False while any block is in use."""
+        if self.num_used:
+            return False
+        self._blocks_of_hash.clear()
+        self._hash_of_block = [None] * self.num_blocks
+        if self.enable_kv_cache_events:
+            self._events.append(AllBlocksCleared())
+        return True
+
+    def cached_hashes(self) -> set[int]:
+        """The hashes of every block the prefix cache holds (what a subscriber's index should mirror)."""
+        return set(self._blocks_of_hash)
+
+    def take_events(self) -> list[KVEvent]:
+        """The events recorded since the last call, oldest first (vLLM's ``BlockPool.take_events``)."""
+        events, self._events = self._events, []
+        return events
+
+    def _insert(self, block: int, block_hash: int) -> None:
+        if self._hash_of_block[block] is not None:
+            return  # already holds content (cannot happen for a freshly filled block; kept defensive)
+        self._hash_of_block[block] = block_hash
+        self._blocks_of_hash.setdefault(block_hash, {})[block] = None
 
     def _take(self, block: int) -> None:
         if self._refcount[block] == 0:
@@ -106,7 +197,14 @@ class KVBlockPool:
         block, _ = self._free.popitem(last=False)
         evicted_hash = self._hash_of_block[block]
         if evicted_hash is not None:
-            del self._block_of_hash[evicted_hash]
+            holders = self._blocks_of_hash[evicted_hash]
+            del holders[block]
+            if not holders:
+                del self._blocks_of_hash[evicted_hash]
             self._hash_of_block[block] = None
+            if self.enable_kv_cache_events:
+                self._events.append(
+                    BlockRemoved(block_hashes=[evicted_hash], medium=self.medium, group_idx=KV_CACHE_GROUP)
+                )
         self._refcount[block] = 1
         return block

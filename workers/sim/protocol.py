@@ -12,9 +12,13 @@ from __future__ import annotations
 import json
 import time
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from splitserve.sim.config import EngineLimits
 from splitserve.sim.tokens import chat_prompt, tokenize
+
+if TYPE_CHECKING:
+    from splitserve.router.tokens import ChatTokenizer
 
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # vLLM's default for /v1/completions
 MAX_TOKEN_ID = 2**31
@@ -73,12 +77,19 @@ def _optional_int(body: dict[str, object], name: str) -> int | None:
     return value
 
 
-def prompt_tokens_of(body: dict[str, object], chat: bool) -> list[int]:
+def prompt_tokens_of(body: dict[str, object], chat: bool, tokenizer: ChatTokenizer | None = None) -> list[int]:
+    """The prompt's token ids: with the model's real tokenizer (``--tokenizer``) as vLLM computes them,
+    else with the simulator's stand-in tokenizer and chat template."""
     if chat:
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages or not all(isinstance(m, dict) for m in messages):
             raise RequestError(400, "'messages' must be a non-empty list of message objects")
         try:
+            if tokenizer is not None:
+                ids = tokenizer.encode_chat(body)
+                if ids is None:
+                    raise ValueError("the model's tokenizer has no chat template")
+                return ids
             return tokenize(chat_prompt(messages))
         except ValueError as error:
             raise RequestError(400, str(error)) from error
@@ -88,7 +99,7 @@ def prompt_tokens_of(body: dict[str, object], chat: bool) -> list[int]:
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if isinstance(prompt, str):
-        return tokenize(prompt)
+        return tokenize(prompt) if tokenizer is None else tokenizer.encode_ids(prompt)
     if isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
         if not all(0 <= t < MAX_TOKEN_ID for t in prompt):
             raise RequestError(400, f"token ids in 'prompt' must be between 0 and {MAX_TOKEN_ID - 1}")
@@ -96,11 +107,17 @@ def prompt_tokens_of(body: dict[str, object], chat: bool) -> list[int]:
     raise RequestError(400, "'prompt' must be a string or a list of token ids (batched prompts are not simulated)")
 
 
-def parse_generation(body: dict[str, object], chat: bool, served_model: str, limits: EngineLimits) -> GenerationRequest:
+def parse_generation(
+    body: dict[str, object],
+    chat: bool,
+    served_model: str,
+    limits: EngineLimits,
+    tokenizer: ChatTokenizer | None = None,
+) -> GenerationRequest:
     model = body.get("model", served_model)
     if model != served_model:
         raise RequestError(404, f"The model `{model}` does not exist.")
-    tokens = prompt_tokens_of(body, chat)
+    tokens = prompt_tokens_of(body, chat, tokenizer)
     if not tokens:
         raise RequestError(400, "the prompt must contain at least one token")
     n = _optional_int(body, "n")

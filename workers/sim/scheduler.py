@@ -11,7 +11,14 @@ engine fetches their blocks (vLLM's WAITING_FOR_REMOTE_KVS, reported as waiting 
 then join the batch needing only their last prompt token computed. As in vLLM, a pull starts only
 while the batch has a free slot (fewer than ``max_num_seqs`` running), and pulling sequences take
 no slot: a saturated decode engine leaves the KV held on the prefill engine, and the first free
-slot starts every waiting pull at once.
+slot starts every waiting pull at once. That last token is planned as a decode (in
+``StepPlan.decode``, and listed in ``StepPlan.resumed``) and costed like one: the step runs one
+position for it, not a prefill, so it pays no ``prefill_overhead_s``.
+
+Prefix caching follows vLLM's ``KVCacheManager``: once a step has computed the tokens that fill a
+block (prompt or generated), the block's hash is registered in the pool (``cache_full_blocks``),
+which is also when the pool records a ``BlockStored`` event; pulled KV is registered when the pull
+completes. Hashes chain over the prompt and then the output tokens, as vLLM's request block hashes do.
 """
 
 from __future__ import annotations
@@ -20,9 +27,9 @@ from collections import deque
 from dataclasses import dataclass, field
 from enum import Enum
 
-from splitserve.sim.config import EngineLimits
+from splitserve.sim.config import EngineLimits, LatencyModel
 from splitserve.sim.kv import KVBlockPool
-from splitserve.sim.tokens import block_hashes, output_token, prompt_digest
+from splitserve.sim.tokens import block_hash, block_hashes, output_token, prompt_digest
 
 
 class Phase(Enum):
@@ -52,8 +59,12 @@ class Sequence:
     output: list[int] = field(default_factory=list)
     num_cached_tokens: int = 0
     num_preemptions: int = 0
+    num_cached_blocks: int = 0
+    """Leading blocks already in the prefix cache (vLLM's per-request ``num_cached_block``)."""
+    awaiting_last_token: bool = False
+    """The prompt's KV arrived from a remote prefill; only its last token is left to compute."""
     _digest: bytes = b""
-    _hashes: list[int] | None = None
+    _hashes: list[int] = field(default_factory=list)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -68,9 +79,30 @@ class Sequence:
             self._digest = prompt_digest(self.prompt_token_ids)
         return self._digest
 
-    def hashes(self, block_size: int) -> list[int]:
-        if self._hashes is None:
-            self._hashes = block_hashes(self.prompt_token_ids, block_size)
+    def token_slice(self, start: int, end: int) -> list[int]:
+        """Tokens ``start:end`` of prompt then output (what the KV cache holds, in order)."""
+        prompt = self.prompt_token_ids
+        if end <= len(prompt):
+            return prompt[start:end]
+        cut = len(prompt)
+        return prompt[start:] + self.output[: end - cut] if start < cut else self.output[start - cut : end - cut]
+
+    def hashes(self, block_size: int, num_tokens: int | None = None) -> list[int]:
+        """Chained hashes of the full blocks among the first ``num_tokens`` tokens (default: the prompt).
+
+        Extended as output tokens fill blocks; the list returned may cover more blocks than asked.
+        """
+        wanted = (self.num_prompt_tokens if num_tokens is None else num_tokens) // block_size
+        if len(self._hashes) < wanted:
+            done = len(self._hashes)
+            if not done and wanted * block_size <= self.num_prompt_tokens:
+                self._hashes = block_hashes(self.prompt_token_ids, block_size)  # all prompt blocks at once
+            else:
+                tokens = self.token_slice(done * block_size, wanted * block_size)
+                parent = self._hashes[-1] if done else 0
+                for offset in range(0, len(tokens), block_size):
+                    parent = block_hash(parent, tokens[offset : offset + block_size])
+                    self._hashes.append(parent)
         return self._hashes
 
 
@@ -78,6 +110,9 @@ class Sequence:
 class StepPlan:
     decode: list[Sequence] = field(default_factory=list)
     prefill: list[tuple[Sequence, int]] = field(default_factory=list)
+    resumed: list[Sequence] = field(default_factory=list)
+    """The sequences of ``decode`` whose KV was pulled from a remote prefill and that compute their
+    last prompt token (and emit their first token) in this step."""
     admitted: list[Sequence] = field(default_factory=list)
     """Sequences that left the waiting queue for the batch in this plan (queue time ends)."""
     new_pulls: list[Sequence] = field(default_factory=list)
@@ -85,7 +120,18 @@ class StepPlan:
 
     @property
     def num_prefill_tokens(self) -> int:
+        """Prompt tokens prefilled in this step (a resumed sequence's last token is not one)."""
         return sum(tokens for _, tokens in self.prefill)
+
+    @property
+    def num_decode_seqs(self) -> int:
+        """Sequences computing one position in this step (resumed pulled sequences included)."""
+        return len(self.decode)
+
+    def seconds(self, latency: LatencyModel) -> float:
+        """What this step costs. A resumed sequence's last prompt token costs a decode token (its KV
+        came from the prefill engine; only one position runs), never a prefill's fixed overhead."""
+        return latency.step_seconds(self.num_decode_seqs, self.num_prefill_tokens)
 
     @property
     def has_work(self) -> bool:
@@ -101,9 +147,14 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, limits: EngineLimits) -> None:
+    def __init__(self, limits: EngineLimits, enable_kv_cache_events: bool = False) -> None:
         self.limits = limits
-        self.pool = KVBlockPool(limits.num_kv_blocks, limits.block_size, limits.enable_prefix_caching)
+        self.pool = KVBlockPool(
+            limits.num_kv_blocks,
+            limits.block_size,
+            limits.enable_prefix_caching,
+            enable_kv_cache_events=enable_kv_cache_events,
+        )
         self.waiting: deque[Sequence] = deque()
         self.pulling: set[Sequence] = set()
         self.ready: deque[Sequence] = deque()
@@ -125,17 +176,22 @@ class Scheduler:
         plan = StepPlan()
         self._admit(plan)
         budget = self.limits.max_num_batched_tokens
-        # Decodes first, so running sequences keep making progress under prefill pressure.
+        # Decodes first, so running sequences keep making progress under prefill pressure. A sequence
+        # resumed from pulled KV computes one position, like a decode, and is planned as one.
         for seq in list(self.running):
-            if seq.phase is not Phase.RUNNING or seq.prefilling or budget <= 0:
+            if seq.phase is not Phase.RUNNING or budget <= 0:
+                continue
+            if seq.prefilling and not seq.awaiting_last_token:
                 continue
             if self._make_room(seq, seq.num_computed + 1, plan):
                 plan.decode.append(seq)
+                if seq.awaiting_last_token:
+                    plan.resumed.append(seq)
                 budget -= 1
         for seq in self.running:
             if budget <= 0:
                 break
-            if seq.prefilling:
+            if seq.prefilling and not seq.awaiting_last_token:
                 chunk = min(seq.prefill_target - seq.num_computed, budget)
                 plan.prefill.append((seq, chunk))
                 budget -= chunk
@@ -147,16 +203,31 @@ class Scheduler:
             if seq.phase is not Phase.RUNNING:
                 continue  # aborted during the step
             seq.num_computed += chunk
+            self._cache_computed(seq)
             if not seq.prefilling:
-                self.pool.register(seq.block_ids, seq.hashes(self.limits.block_size))
                 result.prefill_done.append(seq)
                 self._emit(seq, result)
         for seq in plan.decode:
             if seq.phase is not Phase.RUNNING:
                 continue
             seq.num_computed += 1
+            self._cache_computed(seq)
+            if seq.awaiting_last_token:  # its prompt is now complete: this is its first token
+                seq.awaiting_last_token = False
+                result.prefill_done.append(seq)
             self._emit(seq, result)
         return result
+
+    def _cache_computed(self, seq: Sequence) -> None:
+        """Register the blocks that the computed tokens of ``seq`` have filled (vLLM: cache_blocks)."""
+        size = self.limits.block_size
+        num_full = seq.num_computed // size
+        if num_full <= seq.num_cached_blocks or not self.pool.enable_prefix_caching:
+            return
+        hashes = seq.hashes(size, num_full * size)
+        tokens = seq.token_slice(seq.num_cached_blocks * size, num_full * size)
+        self.pool.cache_full_blocks(seq.block_ids, hashes, tokens, seq.num_cached_blocks, num_full)
+        seq.num_cached_blocks = num_full
 
     def pull_done(self, seq: Sequence) -> None:
         """The remote KV of ``seq`` arrived: only the last prompt token is left to compute."""
@@ -164,8 +235,12 @@ class Scheduler:
             return
         self.pulling.discard(seq)
         seq.kv_pulled = True
+        # As vLLM's _update_waiting_for_remote_kv: the pulled blocks enter the prefix cache now.
+        seq.num_computed = seq.num_prompt_tokens
+        self._cache_computed(seq)
         seq.num_computed = seq.num_prompt_tokens - 1
         seq.prefill_target = seq.num_prompt_tokens
+        seq.awaiting_last_token = True
         seq.phase = Phase.READY
         self.ready.append(seq)
 
@@ -198,6 +273,7 @@ class Scheduler:
         if seq.block_ids:
             self.pool.free(seq.block_ids)
             seq.block_ids = []
+        seq.num_cached_blocks = 0
 
     def _emit(self, seq: Sequence, result: StepResult) -> None:
         token = output_token(seq.digest(), len(seq.output))
@@ -236,12 +312,13 @@ class Scheduler:
                 continue
             # A preempted sequence recomputes its prompt and what it generated so far.
             target = seq.num_prompt_tokens + len(seq.output)
-            allocation = self.pool.allocate(target, seq.hashes(self.limits.block_size))
+            allocation = self.pool.allocate(target, seq.hashes(self.limits.block_size, target))
             if allocation is None:
                 return
             self.waiting.popleft()
             seq.block_ids = allocation.block_ids
             seq.num_computed = allocation.num_cached_tokens
+            seq.num_cached_blocks = allocation.num_cached_tokens // self.limits.block_size
             seq.prefill_target = target
             if not seq.output and not seq.num_preemptions:
                 seq.num_cached_tokens = allocation.num_cached_tokens
@@ -263,9 +340,12 @@ class Scheduler:
         self._release(seq)
         seq.num_computed = 0
         seq.num_preemptions += 1
+        seq.awaiting_last_token = False  # its pulled KV is gone with its blocks: recomputed locally
         seq.phase = Phase.WAITING
         self.waiting.appendleft(seq)
         plan.preempted.append(seq)
         if seq in plan.decode:
             plan.decode.remove(seq)
+        if seq in plan.resumed:
+            plan.resumed.remove(seq)
         plan.prefill = [(other, chunk) for other, chunk in plan.prefill if other is not seq]

@@ -18,6 +18,7 @@ import aiohttp
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
+from splitserve.router.tokens import HuggingFaceTokenizer
 from splitserve.sim.config import FaultConfig, Role, SimConfig
 from splitserve.sim.engine import (
     EngineRequest,
@@ -28,6 +29,7 @@ from splitserve.sim.engine import (
     SimEngine,
     TokenEvent,
 )
+from splitserve.sim.kv_publisher import ZmqEventPublisher
 from splitserve.sim.protocol import (
     SSE_DONE,
     GenerationRequest,
@@ -85,6 +87,12 @@ def json_error(status: int, message: str) -> web.Response:
     return web.json_response(error_body(status, message), status=status)
 
 
+def _as_bind(endpoint: str | None) -> str | None:
+    if endpoint is None or not endpoint.startswith("tcp://") or "*" in endpoint:
+        return endpoint
+    return "tcp://*:" + endpoint.rsplit(":", 1)[1]
+
+
 class SimWorker:
     """One simulated vLLM engine serving HTTP. Use as ``async with SimWorker(config) as worker``."""
 
@@ -95,12 +103,15 @@ class SimWorker:
             raise ValueError("invalid simulator config: " + "; ".join(problems))
         self.engine_id = self.config.engine_id or str(uuid.uuid4())
         self.faults = FaultState.from_config(self.config.faults)
+        # The model's real tokenizer, when given: prompts then become the token ids vLLM would compute.
+        self.tokenizer = HuggingFaceTokenizer(self.config.tokenizer) if self.config.tokenizer else None
         self.draining = False
         self.port = self.config.port
         self.engine: SimEngine | None = None
         self._random = random.Random(self.config.seed)
         self._runner: web.AppRunner | None = None
         self._session: aiohttp.ClientSession | None = None
+        self.kv_events: ZmqEventPublisher | None = None
         self._in_flight = 0
         self._idle = asyncio.Event()
         self._idle.set()
@@ -117,7 +128,19 @@ class SimWorker:
         return self.config.role
 
     async def start(self) -> None:
-        self.engine = SimEngine(self.config, self.engine_id, self._pull_remote_kv)
+        try:
+            await self._start()
+        except BaseException:
+            await self.stop()  # nothing half-started stays behind (sockets, the publisher thread)
+            raise
+
+    async def _start(self) -> None:
+        kv_events = self.config.kv_events
+        if kv_events is not None and kv_events.publishes:
+            # Bound before the HTTP port, as vLLM's engine core binds it before the API server listens.
+            self.kv_events = ZmqEventPublisher(kv_events, host=self.config.advertised_host)
+        sink = self.kv_events.publish if self.kv_events is not None else None
+        self.engine = SimEngine(self.config, self.engine_id, self._pull_remote_kv, sink)
         app = web.Application(client_max_size=64 * 1024 * 1024)
         app.add_routes(
             [
@@ -129,6 +152,9 @@ class SimWorker:
                 web.get("/load", self._load),
                 web.get("/metrics", self._metrics),
                 web.post("/tokenize", self._tokenize),
+                web.post("/detokenize", self._detokenize),
+                web.get("/kv_event_sources", self._kv_event_sources),
+                web.post("/reset_prefix_cache", self._reset_prefix_cache),
                 web.post("/internal/kv/pull", self._kv_pull),
                 web.get("/admin/faults", self._get_faults),
                 web.post("/admin/faults", self._set_faults),
@@ -158,6 +184,28 @@ class SimWorker:
         if self._session is not None:
             await self._session.close()
             self._session = None
+        if self.kv_events is not None:
+            # After the engine stopped, so nothing publishes into a closed publisher.
+            await asyncio.to_thread(self.kv_events.shutdown)
+            self.kv_events = None
+
+    # --- fault injection: the KV-event publisher alone goes away and comes back ------------------
+
+    async def close_kv_events(self) -> None:
+        """Close the publisher's port while the engine keeps serving (its events are dropped meanwhile)."""
+        if self.kv_events is not None and self.engine is not None:
+            self.engine.set_kv_event_sink(lambda batch: None)
+            await asyncio.to_thread(self.kv_events.shutdown)
+
+    def reopen_kv_events(self) -> None:
+        """Bind a new publisher on the same endpoint; like a restarted engine's, its sequence starts at 0."""
+        if self.kv_events is not None and self.engine is not None:
+            # The same ports again: a tcp://*:0 publisher reports the address it bound, which must be bound anew.
+            config = self.kv_events.config
+            endpoint = _as_bind(config.endpoint) or config.endpoint
+            again = dataclasses.replace(config, endpoint=endpoint, replay_endpoint=_as_bind(config.replay_endpoint))
+            self.kv_events = ZmqEventPublisher(again, host=self.config.advertised_host)
+            self.engine.set_kv_event_sink(self.kv_events.publish)
 
     async def _drained(self) -> None:
         """No request in flight and, on a prefill worker, no KV still held for a decode pull."""
@@ -199,6 +247,11 @@ class SimWorker:
             raise KeyError(f"no sample {name}{labels}")
         return value
 
+    def kv_event_sources(self) -> dict[str, dict[str, object]]:
+        """What GET /kv_event_sources answers: as vLLM, the running publisher's config (endpoints as
+        bound) keyed by data-parallel rank, always "0" here; ``{}`` when no events are published."""
+        return {} if self.kv_events is None else {"0": self.kv_events.config.to_dict()}
+
     @property
     def in_flight(self) -> int:
         return self._in_flight
@@ -225,7 +278,7 @@ class SimWorker:
             return json_error(500, "injected fault: random failure")
         try:
             parsed = parse_generation(
-                parse_json_object(await request.read()), chat, self.config.model, self.config.limits
+                parse_json_object(await request.read()), chat, self.config.model, self.config.limits, self.tokenizer
             )
             engine_request = self._engine_request(request, parsed)
         except RequestError as error:
@@ -418,12 +471,31 @@ class SimWorker:
             model = body.get("model", self.config.model)
             if model != self.config.model:
                 raise RequestError(404, f"The model `{model}` does not exist.")
-            tokens = prompt_tokens_of(body, chat="messages" in body)
+            tokens = prompt_tokens_of(body, chat="messages" in body, tokenizer=self.tokenizer)
         except RequestError as error:
             return json_error(error.status, error.message)
         return web.json_response(
             {"count": len(tokens), "max_model_len": self.config.limits.max_model_len, "tokens": tokens}
         )
+
+    async def _detokenize(self, request: web.Request) -> web.Response:
+        try:
+            body = parse_json_object(await request.read())
+            tokens = body.get("tokens")
+            if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+                raise RequestError(400, "'tokens' must be a list of token ids")
+            if self.tokenizer is None:
+                raise RequestError(400, "this simulator has no --tokenizer: its stand-in tokens cannot be decoded")
+        except RequestError as error:
+            return json_error(error.status, error.message)
+        return web.json_response({"prompt": self.tokenizer.decode(tokens)})
+
+    async def _kv_event_sources(self, request: web.Request) -> web.Response:
+        return web.json_response(self.kv_event_sources())
+
+    async def _reset_prefix_cache(self, request: web.Request) -> web.Response:
+        # vLLM's dev-mode endpoint; fails (success false) while any request holds KV blocks.
+        return web.json_response({"success": self._engine().reset_prefix_cache()})
 
     async def _get_faults(self, request: web.Request) -> web.Response:
         return web.json_response(dataclasses.asdict(self.faults))
@@ -462,6 +534,7 @@ class SimFleet:
                 config,
                 port=shifted(config.port, i) or 0,
                 side_channel_port=shifted(config.side_channel_port, i),
+                kv_events=config.kv_events.shifted(i) if config.kv_events is not None else None,
                 engine_id=None,
             )
             for i in range(count)

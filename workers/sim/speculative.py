@@ -97,13 +97,17 @@ class SpeculativeScheduler(Scheduler):
 
     def complete(self, plan: StepPlan) -> StepResult:
         result = super().complete(plan)
+        resumed = set(plan.resumed)  # their first token: nothing drafted to verify yet
         for seq in plan.decode:
+            if seq in resumed:
+                continue
             extra = self.model.accepted(self.rng)
             while extra and seq.phase is Phase.RUNNING:
                 # Accepted tokens need KV slots like any other; without a free block the step keeps fewer.
                 if not self.pool.grow(seq.block_ids, seq.num_computed + 1):
                     break
                 seq.num_computed += 1
+                self._cache_computed(seq)  # blocks filled by accepted guesses enter the prefix cache too
                 self._emit(seq, result)
                 extra -= 1
         return result

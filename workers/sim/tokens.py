@@ -72,15 +72,26 @@ def chat_prompt(messages: Iterable[Mapping[str, object]]) -> str:
     return "".join(rendered) + "<|assistant|>\n"
 
 
+HASH_MASK = (1 << 64) - 1
+"""Block hashes are unsigned 64-bit, as vLLM publishes them in KV events (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
+
+
+def block_hash(parent: int, token_ids: Sequence[int]) -> int:
+    """Hash of one full block given its parent's hash (0 for the first block of a sequence).
+
+    Python's hash of a tuple of ints is not randomised between processes, so these are stable.
+    """
+    return hash((parent, tuple(token_ids))) & HASH_MASK
+
+
 def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids`` (as vLLM's prefix cache keys blocks).
 
     Block ``i``'s hash covers every token before it too, so equal hashes mean equal prefixes.
-    Python's hash of a tuple of ints is not randomised between processes, so these are stable.
     """
     hashes: list[int] = []
     parent = 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = hash((parent, tuple(token_ids[start : start + block_size])))
+        parent = block_hash(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return hashes

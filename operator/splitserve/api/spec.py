@@ -56,10 +56,24 @@ class Connector(StrEnum):
 
 
 class RoutingPolicy(StrEnum):
+    """How the router picks a worker of a pool (ROUTING_POLICY_HELP says each in words)."""
+
     ROUND_ROBIN = "round-robin"
     LEAST_LOADED = "least-loaded"
     PREFIX_AWARE = "prefix-aware"
     KV_AWARE = "kv-aware"
+    PRECISE_PREFIX = "precise-prefix"
+
+
+# One sentence per policy, written into the CRD (kubectl explain) where a policy is chosen.
+ROUTING_POLICY_HELP = (
+    "round-robin: each worker in turn; least-loaded: fewest in-flight requests (power of two choices); "
+    "prefix-aware: where the prompt's longest prefix was sent before, unless that worker is overloaded; "
+    "kv-aware: lowest KV-cache usage and queue from the workers' metrics; precise-prefix: the worker whose "
+    "prefix cache really holds the prompt's longest prefix, learnt from the engines' own KV-cache events "
+    "(the operator turns the events on in that pool's workers, on engine.kvEventsPort; it needs "
+    "engine.prefixCaching, and a model.source.pvc for the router to tokenize exactly as the engine)."
+)
 
 
 # --------------------------------------------------------------------------- model
@@ -161,6 +175,13 @@ class EngineSpec(ApiModel):
     )
     block_size: Literal[8, 16, 32, 64, 128] | None = Field(None, description="PagedAttention KV block size.")
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Max sequences in a running batch.")
+    kv_events_port: int = Field(
+        5557,
+        ge=1024,
+        le=65535,
+        description="Port of vLLM's KV-cache event publisher (ZMQ) in the workers of a pool routed "
+        "precise-prefix; only the router pods may reach it. Unused by other policies.",
+    )
 
 
 # --------------------------------------------------------------------------- KV transfer
@@ -249,7 +270,10 @@ class RouterSpec(ApiModel):
         description=f"Router image. Unset: the operator's default (chart value images.router; "
         f"{DEFAULT_ROUTER_IMAGE} unless configured).",
     )
-    routing_policy: RouterPolicies = Field(default_factory=RouterPolicies)
+    routing_policy: RouterPolicies = Field(
+        default_factory=RouterPolicies,
+        description="Routing policy per pool (aggregated mode uses decode's). " + ROUTING_POLICY_HELP,
+    )
     service_type: Literal["ClusterIP", "NodePort", "LoadBalancer"] = "ClusterIP"
     port: int = Field(8000, ge=1, le=65535, description="Port of the router Service (OpenAI endpoint).")
     admission_queue_limit: int = Field(1024, ge=1, le=1_000_000, description="Requests held before 429.")
@@ -327,6 +351,14 @@ class InferenceDeploymentSpec(ApiModel):
             "self.mode == 'aggregated' || self.kvTransfer.connector != 'None'",
             "disaggregated mode needs a KV connector: set kvTransfer.connector or mode: aggregated",
             field_path=".kvTransfer.connector",
+        ),
+        cel(
+            "!(self.router.routingPolicy.prefill == 'precise-prefix' || self.router.routingPolicy.decode == "
+            "'precise-prefix') || (self.engine.kvEventsPort != self.engine.port && "
+            "self.engine.kvEventsPort != self.kvTransfer.sideChannelPort)",
+            "engine.kvEventsPort must differ from engine.port and kvTransfer.sideChannelPort: with precise-prefix "
+            "routing a worker listens on all three",
+            field_path=".engine.kvEventsPort",
         ),
     )
 

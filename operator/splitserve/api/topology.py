@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from splitserve.api.base import API_GROUP, API_VERSION, KIND
-from splitserve.api.spec import InferenceDeploymentSpec, Mode, PoolSpec, Role
+from splitserve.api.spec import InferenceDeploymentSpec, Mode, PoolSpec, Role, RoutingPolicy
 
 FIELD_MANAGER = "splitserve-operator"
 LABEL_DEPLOYMENT = f"{API_GROUP}/deployment"
@@ -18,6 +18,8 @@ LABEL_SERVES_DECODE = f"{API_GROUP}/serves-decode"
 ROUTER_ROLE = "router"
 WORKER_HTTP_PORT_NAME = "http"
 KV_SIDE_CHANNEL_PORT_NAME = "kv-side"
+# vLLM's KV-cache event publisher (ZMQ), in the workers of pools routed precise-prefix.
+KV_EVENTS_PORT_NAME = "kv-events"
 # The pool size the spec declared when the operator last wrote it (see builders.workers).
 ANNOTATION_DECLARED_REPLICAS = f"{API_GROUP}/declared-replicas"
 # Replica counts are written through /scale under this manager, never in the operator's apply set.
@@ -112,3 +114,20 @@ def router_endpoint(owner: Owner, port: int) -> str:
 def role_pool(spec: InferenceDeploymentSpec, role: Role | str) -> PoolSpec:
     """The pool whose settings a role runs with; an aggregated engine uses the decode pool."""
     return spec.prefill if role == Role.PREFILL else spec.decode
+
+
+def role_routing_policy(spec: InferenceDeploymentSpec, role: Role | str) -> RoutingPolicy:
+    """The policy the router picks a worker of `role` with: prefill's for prefill, decode's for decode
+    and aggregated workers (the router sends an aggregated pool the decode leg)."""
+    policies = spec.router.routing_policy
+    return policies.prefill if role == Role.PREFILL else policies.decode
+
+
+def publishes_kv_events(spec: InferenceDeploymentSpec, role: Role | str) -> bool:
+    """Whether workers of `role` publish KV-cache events: their pool is routed precise-prefix."""
+    return role_routing_policy(spec, role) == RoutingPolicy.PRECISE_PREFIX
+
+
+def kv_event_roles(spec: InferenceDeploymentSpec) -> list[Role]:
+    """The worker roles in use whose engines publish KV-cache events (none unless precise-prefix is chosen)."""
+    return [role for role in worker_roles(spec) if publishes_kv_events(spec, role)]

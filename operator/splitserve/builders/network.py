@@ -6,10 +6,12 @@ from typing import Any
 
 from splitserve.api.spec import Connector, Role
 from splitserve.api.topology import (
+    KV_EVENTS_PORT_NAME,
     LABEL_DEPLOYMENT,
     LABEL_ROLE,
     ROUTER_ROLE,
     WORKER_HTTP_PORT_NAME,
+    kv_event_roles,
     selector_labels,
     worker_roles,
 )
@@ -20,8 +22,13 @@ from splitserve.builders.target import Target, metadata
 KV_DATA_PORT_RANGE = (32768, 60999)
 
 
+def _router_pods(name: str) -> dict[str, Any]:
+    return {"podSelector": {"matchLabels": selector_labels(name, ROUTER_ROLE)}}
+
+
 def build_network_policy(target: Target) -> dict[str, Any]:
-    """Only the router (and Prometheus) reach the workers' HTTP port; only pools reach KV ports."""
+    """Only the router (and Prometheus) reach the workers' HTTP port; only pools reach KV transfer ports;
+    only the router reaches the KV-event publishers of pools routed precise-prefix."""
     spec = target.spec
     name = target.owner.name
     roles = [str(role) for role in worker_roles(spec)]
@@ -32,7 +39,7 @@ def build_network_policy(target: Target) -> dict[str, Any]:
     ingress: list[dict[str, Any]] = [
         {
             "from": [
-                {"podSelector": {"matchLabels": selector_labels(name, ROUTER_ROLE)}},
+                _router_pods(name),
                 # prometheus-operator's Prometheus pods, in any namespace, scrape /metrics.
                 {"namespaceSelector": {}, "podSelector": {"matchLabels": {"app.kubernetes.io/name": "prometheus"}}},
             ],
@@ -50,6 +57,10 @@ def build_network_policy(target: Target) -> dict[str, Any]:
                 ],
             }
         )
+    if kv_event_roles(spec):
+        # By name: the port exists only in the containers of pools that publish events, so no other
+        # worker opens anything; the router subscribes to each publisher (ZMQ SUB connects to PUB).
+        ingress.append({"from": [_router_pods(name)], "ports": [{"protocol": "TCP", "port": KV_EVENTS_PORT_NAME}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",

@@ -9,12 +9,15 @@ from splitserve.api.spec import InferenceDeploymentSpec, Mode
 from splitserve.api.topology import (
     ROUTER_ROLE,
     decode_service_name,
+    kv_event_roles,
     pod_labels,
     prefill_service_name,
     router_name,
     selector_labels,
 )
 from splitserve.builders.target import Target, metadata
+from splitserve.builders.vllm_args import model_location
+from splitserve.builders.workers import model_volume
 
 ROUTER_CONTAINER_PORT = 8000
 # The router runs the operator image, whose non-root user has these ids (deploy/images/Dockerfile.operator;
@@ -59,17 +62,34 @@ def kubernetes_discovery_args(target: Target) -> list[str]:
     ]
 
 
+def router_tokenizer(spec: InferenceDeploymentSpec) -> str | None:
+    """Where the router pod reads the model's tokenizer (--tokenizer), or None when it gets none.
+
+    Only precise-prefix needs it: its block keys are the engine's token ids, which an estimate cannot
+    give. Only a pvc source can be read: the router pod mounts the workers' volume read-only at the
+    same path. A huggingFace source is downloaded inside each worker and a uri is read by vLLM (or
+    lies in the worker image), so neither reaches the router; it then runs without --tokenizer and
+    precise-prefix routes those prompts by load (`splitserve validate` warns, validation.advice).
+    """
+    if not kv_event_roles(spec) or spec.model.source.pvc is None:
+        return None
+    return model_location(spec)
+
+
 def router_container_args(target: Target) -> list[str]:
     """The router container's args (after its `splitserve` command)."""
+    spec = target.spec
     workers = kubernetes_discovery_args(target)
-    return ["router", *router_args(target.spec, host="0.0.0.0", port=ROUTER_CONTAINER_PORT, workers=workers)]
+    args = ["router", *router_args(spec, host="0.0.0.0", port=ROUTER_CONTAINER_PORT, workers=workers)]
+    tokenizer = router_tokenizer(spec)
+    return [*args, f"--tokenizer={tokenizer}"] if tokenizer is not None else args
 
 
 def build_router_deployment(target: Target) -> dict[str, Any]:
     spec = target.spec
     name = target.owner.name
     probe = {"httpGet": {"path": "/health", "port": "http"}, "periodSeconds": 5, "timeoutSeconds": 3}
-    container = {
+    container: dict[str, Any] = {
         "name": "router",
         "image": spec.router.image or target.images.router,
         "imagePullPolicy": spec.engine.image_pull_policy,
@@ -94,19 +114,23 @@ def build_router_deployment(target: Target) -> dict[str, Any]:
             "seccompProfile": {"type": "RuntimeDefault"},
         },
     }
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": router_name(name),
+        "containers": [container],
+        # Long enough for in-flight streams to finish after SIGTERM (the router drains).
+        "terminationGracePeriodSeconds": int(spec.router.timeouts.request_seconds) + 10,
+        "enableServiceLinks": False,
+    }
+    model = model_volume(spec)
+    if model is not None and router_tokenizer(spec) is not None:
+        # The workers' model volume, read-only, for the tokenizer; absent otherwise, so routers of
+        # other specs never depend on the claim (a ReadWriteOnce claim would pin them to its node).
+        pod_spec["volumes"] = [model[0]]
+        container["volumeMounts"] = [model[1]]
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(name, ROUTER_ROLE)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-        "template": {
-            "metadata": {"labels": pod_labels(name, ROUTER_ROLE)},
-            "spec": {
-                "serviceAccountName": router_name(name),
-                "containers": [container],
-                # Long enough for in-flight streams to finish after SIGTERM (the router drains).
-                "terminationGracePeriodSeconds": int(spec.router.timeouts.request_seconds) + 10,
-                "enableServiceLinks": False,
-            },
-        },
+        "template": {"metadata": {"labels": pod_labels(name, ROUTER_ROLE)}, "spec": pod_spec},
     }
     deployment_spec["replicas"] = spec.router.replicas
     return {

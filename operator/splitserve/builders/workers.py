@@ -11,10 +11,12 @@ from typing import Any
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
 from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
+    KV_EVENTS_PORT_NAME,
     KV_SIDE_CHANNEL_PORT_NAME,
     WORKER_HTTP_PORT_NAME,
     pod_labels,
     pool_name,
+    publishes_kv_events,
     role_pool,
     selector_labels,
 )
@@ -68,15 +70,22 @@ def _volumes(spec: InferenceDeploymentSpec, pool: PoolSpec) -> tuple[list[dict[s
         {"name": "dshm", "mountPath": "/dev/shm"},
         {"name": "hf-cache", "mountPath": HF_CACHE_PATH},
     ]
-    if spec.model.source.pvc is not None:
-        volumes.append(
-            {
-                "name": "model",
-                "persistentVolumeClaim": {"claimName": spec.model.source.pvc.claim_name, "readOnly": True},
-            }
-        )
-        mounts.append({"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True})
+    model = model_volume(spec)
+    if model is not None:
+        volumes.append(model[0])
+        mounts.append(model[1])
     return volumes, mounts
+
+
+def model_volume(spec: InferenceDeploymentSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The model PVC as a pod volume and its read-only mount at MODEL_MOUNT_PATH; None for other sources.
+
+    Workers mount it to load the weights; the router mounts the same volume to read the tokenizer."""
+    pvc = spec.model.source.pvc
+    if pvc is None:
+        return None
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}}
+    return volume, {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}
 
 
 def _probe(path: str, port_name: str, period: int, failures: int) -> dict[str, Any]:
@@ -93,15 +102,24 @@ def _drain_seconds(pool: PoolSpec) -> int:
     return max(0, pool.termination_grace_period_seconds - PRESTOP_SLEEP_SECONDS - 5)
 
 
-def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[str, Any]:
-    pool = role_pool(spec, role)
-    launch = build_engine_launch(spec, role)
-    volumes_mounts = _volumes(spec, pool)[1]
+def _ports(spec: InferenceDeploymentSpec, role: Role) -> list[dict[str, Any]]:
+    """The container's named ports: HTTP, the NIXL side channel, and the KV-event publisher.
+
+    Named, so the NetworkPolicy can admit the router to exactly the pods that publish events."""
     ports = [{"name": WORKER_HTTP_PORT_NAME, "containerPort": spec.engine.port, "protocol": "TCP"}]
     if _uses_kv_transfer(spec, role) and spec.kv_transfer.connector == Connector.NIXL:
         ports.append(
             {"name": KV_SIDE_CHANNEL_PORT_NAME, "containerPort": spec.kv_transfer.side_channel_port, "protocol": "TCP"}
         )
+    if publishes_kv_events(spec, role):
+        ports.append({"name": KV_EVENTS_PORT_NAME, "containerPort": spec.engine.kv_events_port, "protocol": "TCP"})
+    return ports
+
+
+def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[str, Any]:
+    pool = role_pool(spec, role)
+    launch = build_engine_launch(spec, role)
+    volumes_mounts = _volumes(spec, pool)[1]
     return {
         "name": "engine",
         "image": image,
@@ -109,7 +127,7 @@ def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[st
         "command": ["splitserve", "worker"],
         "args": ["--role", str(role), f"--drain-timeout={_drain_seconds(pool)}", "--", *launch.args],
         "env": _env(spec, role, launch.env),
-        "ports": ports,
+        "ports": _ports(spec, role),
         "resources": _resources(pool),
         "volumeMounts": volumes_mounts,
         # Loading weights can take many minutes: the startup probe allows 30 min before liveness applies.

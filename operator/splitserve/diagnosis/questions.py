@@ -288,7 +288,7 @@ def prompt_redundancy(inp: DiagnosisInput) -> QuestionResult:
     if hits.value is None or not queries.value:
         return answer(2, "unknown", "no prompt traffic in the window", tuple(evidence))
     share = hits.value / queries.value
-    prefix_routed = policy in (RoutingPolicy.PREFIX_AWARE, RoutingPolicy.KV_AWARE)
+    prefix_routed = policy in (RoutingPolicy.PREFIX_AWARE, RoutingPolicy.KV_AWARE, RoutingPolicy.PRECISE_PREFIX)
     pool = spec.prefill if policy_field == "prefill" else spec.decode
     replicas = max(pool.replicas, pool.max_replicas if spec.autoscaling.enabled else 0)
     if not prefix_routed and replicas > 1:

@@ -10,7 +10,8 @@ from typing import Any
 
 import yaml
 
-from splitserve.api.spec import InferenceDeploymentSpec, Mode
+from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role, RoutingPolicy
+from splitserve.api.topology import kv_event_roles
 from splitserve.validation.checker import Problem, label_for, load_documents, validate_object
 
 # A vLLM worker's cold start (scheduling, image pull aside: engine start and model load) takes
@@ -22,6 +23,10 @@ QUEUE_FIELD = "spec.router.timeouts.queueSeconds"
 
 def spec_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
     """What to change in one (valid) spec, one Problem per warning."""
+    return [*_cold_start_advice(spec, label), *_precise_prefix_advice(spec, label)]
+
+
+def _cold_start_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
     if not spec.autoscaling.enabled:
         return []
     queue = spec.router.timeouts.queue_seconds
@@ -45,6 +50,48 @@ def spec_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
             f"(above your measured cold start), or spec.{pool}.minReplicas to 1.",
         )
     ]
+
+
+def _precise_prefix_asked(spec: InferenceDeploymentSpec) -> str:
+    """Which routingPolicy fields ask for precise-prefix on a pool in use, as the start of a sentence."""
+    fields = ["prefill" if role == Role.PREFILL else "decode" for role in kv_event_roles(spec)]
+    policy = RoutingPolicy.PRECISE_PREFIX.value
+    if len(fields) == 1:
+        return f"spec.router.routingPolicy.{fields[0]} is {policy}"
+    return f"spec.router.routingPolicy.prefill and .decode are {policy}"
+
+
+def _precise_prefix_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
+    """precise-prefix routes on what the engines report: without events it finds no cached prefix and
+    routes by load alone; without a local tokenizer it pays a /tokenize round trip per request."""
+    if not kv_event_roles(spec):
+        return []  # not asked for, or only for the prefill pool of an aggregated deployment (unused)
+    asked = _precise_prefix_asked(spec)
+    warnings = []
+    if not spec.engine.prefix_caching:
+        warnings.append(
+            Problem(
+                label,
+                "spec.engine.prefixCaching",
+                f"prefix caching is off but {asked}: vLLM publishes KV-cache events only for the blocks its "
+                "prefix cache keeps, so the router would see no events and route every prompt by load alone. "
+                "Set spec.engine.prefixCaching to true, or choose another routing policy.",
+            )
+        )
+    if spec.model.source.pvc is None:
+        source = "huggingFace" if spec.model.source.hugging_face is not None else "uri"
+        warnings.append(
+            Problem(
+                label,
+                f"spec.model.source.{source}",
+                f"{asked}, which matches prompts to cached blocks by the model's own token ids. The router reads "
+                "the tokenizer only from a model.source.pvc (it mounts the workers' claim read-only); with a "
+                f"{source} source it asks a worker's POST /tokenize for every prompt before routing it, one "
+                "extra round trip per request. Put the model on a PersistentVolumeClaim (ReadOnlyMany, or "
+                "reachable from the router's node) to tokenize in the router instead.",
+            )
+        )
+    return warnings
 
 
 def object_advice(obj: Any, *, index: int = 0) -> list[Problem]:

