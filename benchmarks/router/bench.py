@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import random
@@ -180,28 +181,41 @@ class Row:
     capacity_per_core_rps: float = float("nan")
 
 
-async def measure(name: str, url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object]) -> Row:
+@dataclass
+class Samples:
+    """Every run of one target, pooled: percentiles over all requests, throughput as the median run."""
+
+    latencies: Latencies = field(default_factory=Latencies)
+    saturation: list[float] = field(default_factory=list)
+    cpu_util: list[float] = field(default_factory=list)
+    cpu_us: list[float] = field(default_factory=list)
+
+    def row(self, name: str) -> Row:
+        lat = self.latencies
+        row = Row(name, percentile(lat.ttft, 50) * 1e3, percentile(lat.ttft, 99) * 1e3,
+                  percentile(lat.e2e, 50) * 1e3, percentile(lat.e2e, 99) * 1e3, lat.errors)  # fmt: skip
+        if self.saturation:
+            row.saturation_rps = statistics.median(self.saturation)
+            row.router_cpu_util = statistics.median(self.cpu_util)
+            row.cpu_us_per_request = statistics.median(self.cpu_us)
+            row.capacity_per_core_rps = 1e6 / row.cpu_us_per_request
+        return row
+
+
+async def measure(url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object], into: Samples) -> None:
     await wait_ready(url, body)
     await open_loop(url, args.rate, 2, body)  # warm connection pools and caches
     lat = await open_loop(url, args.rate, args.seconds, body)
-    row = Row(
-        name,
-        percentile(lat.ttft, 50) * 1e3,
-        percentile(lat.ttft, 99) * 1e3,
-        percentile(lat.e2e, 50) * 1e3,
-        percentile(lat.e2e, 99) * 1e3,
-        lat.errors,
-    )
+    into.latencies.ttft += lat.ttft
+    into.latencies.e2e += lat.e2e
+    into.latencies.errors += lat.errors
     if pid is not None:
         cpu_before = cpu_seconds(pid)
         done, elapsed = await closed_loop(url, args.concurrency, args.seconds, body)
         cpu = cpu_seconds(pid) - cpu_before
-        row.saturation_rps = done / elapsed
-        row.router_cpu_util = cpu / elapsed
-        row.cpu_us_per_request = cpu / max(1, done) * 1e6
-        row.capacity_per_core_rps = done / max(cpu, 1e-9)
-    print(f"  {name}: {row}", file=sys.stderr, flush=True)
-    return row
+        into.saturation.append(done / elapsed)
+        into.cpu_util.append(cpu / elapsed)
+        into.cpu_us.append(cpu / max(1, done) * 1e6)
 
 
 async def overhead(args: argparse.Namespace) -> list[Row]:
@@ -221,44 +235,47 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
         "max_tokens": 8,
         "stream": True,
     }
-    rows: list[Row] = []
+
+    def splitserve_argv(policy: str, processes: int, port: int) -> list[str]:
+        return [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+                "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
+                "--workers", str(processes), "--log-level", "warning"]  # fmt: skip
+
+    def vllm_router_argv(policy: str, port: int) -> list[str]:
+        # One flag per URL, as vllm-router wants it (--prefill URL [BOOTSTRAP_PORT]).
+        return [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                *[part for url in prefill for part in ("--prefill", url)],
+                *[part for url in decode for part in ("--decode", url)], "--policy", policy,
+                "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+
+    # Targets: (name, command line given a port, or None for the worker itself).
+    targets: list[tuple[str, Callable[[int], list[str]] | None]] = [("direct to a decode worker (no router)", None)]
+    for policy in args.splitserve_policies:
+        for processes in args.splitserve_workers:
+            name = f"splitserve router ({policy}, --workers {processes})"
+            targets.append((name, functools.partial(splitserve_argv, policy, processes)))
+    for policy in args.vllm_router_policies if args.vllm_router else ():
+        targets.append((f"vllm-router ({policy})", functools.partial(vllm_router_argv, policy)))
+    samples = {name: Samples() for name, _ in targets}
     try:
-        rows.append(await measure("direct to a decode worker (no router)", decode[0], None, args, body))
-        for policy in args.splitserve_policies:
-            port = free_port()
-            argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-                    "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
-                    "--workers", str(args.splitserve_workers), "--log-level", "warning"]  # fmt: skip
-            router = start(argv, core=args.router_cores, nice=args.nice)
-            try:
-                name = f"splitserve router ({policy}, --workers {args.splitserve_workers})"
-                rows.append(await measure(name, f"http://127.0.0.1:{port}", router.pid, args, body))
-            finally:
-                stop(router)
-        if args.vllm_router:
-            for policy in args.vllm_router_policies:
+        # Interleaved repeats: a slow minute of the machine lands on every target alike.
+        for repeat in range(args.repeat):
+            for name, command in targets:
+                if command is None:
+                    await measure(decode[0], None, args, body, samples[name])
+                    continue
                 port = free_port()
-                argv = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
-                        "--prefill", *prefill, "--decode", *decode, "--policy", policy,
-                        "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
-                # One flag per URL, as vllm-router wants it (--prefill URL [BOOTSTRAP_PORT]).
-                argv = _one_flag_per_url(_one_flag_per_url(argv, "--prefill", prefill), "--decode", decode)
-                router = start(argv, core=args.router_cores, nice=args.nice)
+                router = start(command(port), core=args.router_cores, nice=args.nice)
                 try:
-                    rows.append(
-                        await measure(f"vllm-router ({policy})", f"http://127.0.0.1:{port}", router.pid, args, body)
-                    )
+                    await measure(f"http://127.0.0.1:{port}", router.pid, args, body, samples[name])
                 finally:
                     stop(router)
+                print(
+                    f"  run {repeat + 1}/{args.repeat} {name}: {samples[name].row(name)}", file=sys.stderr, flush=True
+                )
     finally:
         stop(workers)
-    return rows
-
-
-def _one_flag_per_url(argv: list[str], flag: str, urls: list[str]) -> list[str]:
-    at = argv.index(flag)
-    rest = argv[at + 1 + len(urls) :]
-    return argv[:at] + [part for url in urls for part in (flag, url)] + rest
+    return [samples[name].row(name) for name, _ in targets]
 
 
 def _port_busy(port: int) -> bool:
@@ -389,9 +406,11 @@ def main() -> None:
     over = sub.add_parser("overhead")
     over.add_argument("--rate", type=float, default=200.0)
     over.add_argument("--seconds", type=float, default=10.0)
+    over.add_argument("--repeat", type=int, default=1, help="interleaved runs of every target, pooled")
     over.add_argument("--concurrency", type=int, default=64)
     over.add_argument("--splitserve-policies", nargs="+", default=["round-robin", "prefix-aware"])
-    over.add_argument("--splitserve-workers", type=int, default=1, help="splitserve router processes (--workers)")
+    over.add_argument("--splitserve-workers", type=int, nargs="+", default=[1],
+                      help="splitserve router processes (--workers); one target per value")  # fmt: skip
     over.add_argument("--router-cores", default="1",
                       help="CPU list every router under test may use (taskset -c), e.g. 1 or 0-1")  # fmt: skip
     over.add_argument("--loadgen-cores", default="0", help="CPU list of the load generator and the fake workers")

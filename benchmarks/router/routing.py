@@ -1,8 +1,8 @@
 """Routing quality: which router puts each prompt where its prefix is cached, side by side, one trace.
 
-    python benchmarks/router/routing.py [--vllm-router PATH] [--seconds 60] [--rate 6] [--workers 4]
+    python benchmarks/router/routing.py [--vllm-router PATH] [--seconds 60] [--rate 9] [--sim-workers 4]
 
-Workers: ``--workers`` aggregated engine simulators (``splitserve sim-worker``) with a small KV cache
+Workers: ``--sim-workers`` aggregated engine simulators (``splitserve sim-worker``) with a small KV cache
 (``--num-kv-blocks``), so the pool can hold every tenant's prefix but one worker cannot: evictions
 happen and where a prompt goes decides whether it hits. The simulators tokenize with the tiny model's
 real tokenizer (as vLLM would) and publish vLLM's KV events, so splitserve's precise-prefix router
@@ -190,23 +190,24 @@ async def ready(url: str, path: str = "/health", seconds: float = 60.0) -> None:
 
 def start_workers(args: argparse.Namespace, tokenizer: Path) -> tuple[subprocess.Popen[bytes], list[str]]:
     http, events = free_port(), free_port()
-    while http + args.workers > 65000 or abs(http - events) < args.workers:
+    while http + args.sim_workers > 65000 or abs(http - events) < args.sim_workers:
         http, events = free_port(), free_port()
     config = {"enable_kv_cache_events": True, "publisher": "zmq", "endpoint": f"tcp://*:{events}", "topic": "kv"}
-    argv = [sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "aggregated", "--count", str(args.workers),
-            "--port", str(http), "--profile", "cpu-tiny", "--time-scale", str(args.time_scale),
+    argv = [sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "aggregated",
+            "--count", str(args.sim_workers), "--port", str(http), "--profile", "cpu-tiny",
+            "--time-scale", str(args.time_scale),
             "--num-kv-blocks", str(args.num_kv_blocks), "--tokenizer", str(tokenizer), "--model", MODEL,
             "--kv-events-config", json.dumps(config), "--log-level", "ERROR"]  # fmt: skip
-    return start(argv, core=None, nice=args.nice), [f"http://127.0.0.1:{http + i}" for i in range(args.workers)]
+    return start(argv, core=None, nice=args.nice), [f"http://127.0.0.1:{http + i}" for i in range(args.sim_workers)]
 
 
 def start_router(
-    kind: str, policy: str, workers: list[str], args: argparse.Namespace, tokenizer: Path
+    kind: str, policy: str, workers: list[str], args: argparse.Namespace, tokenizer: Path, processes: int = 1
 ) -> tuple[subprocess.Popen[bytes], str]:
     port = free_port()
     if kind == "splitserve":
         argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-                "--decode", ",".join(workers), "--decode-policy", policy, "--model", MODEL, "--workers", "1",
+                "--decode", ",".join(workers), "--decode-policy", policy, "--model", MODEL, "--workers", str(processes),
                 "--tokenizer", str(tokenizer), "--log-level", "warning"]  # fmt: skip
     else:
         argv = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
@@ -214,9 +215,9 @@ def start_router(
     return start(argv, core=None, nice=args.nice), f"http://127.0.0.1:{port}"
 
 
-async def run_one(
-    kind: str, policy: str, replicas: int, args: argparse.Namespace, tokenizer: Path
-) -> dict[str, object]:
+async def run_one(kind: str, policy: str, layout: str, args: argparse.Namespace, tokenizer: Path) -> dict[str, object]:
+    """One row; ``layout`` is "N" (N router replicas, one process each) or "1xP" (one router, --workers P)."""
+    replicas, _, processes = layout.partition("x")
     systems, sessions = build_trace(args)
     sims, workers = start_workers(args, tokenizer)
     routers: list[subprocess.Popen[bytes]] = []
@@ -224,8 +225,8 @@ async def run_one(
         for url in workers:
             await ready(url)
         urls = []
-        for _ in range(replicas):
-            process, url = start_router(kind, policy, workers, args, tokenizer)
+        for _ in range(int(replicas)):
+            process, url = start_router(kind, policy, workers, args, tokenizer, int(processes or 1))
             routers.append(process)
             urls.append(url)
         for url in urls:
@@ -241,7 +242,7 @@ async def run_one(
         stop(sims)
     row: dict[str, object] = {
         "router": f"{kind} {policy}",
-        "replicas": replicas,
+        "replicas": layout if "x" not in layout else f"1 (--workers {processes})",
         "requests": out.finished + out.failures,
         "failures": out.failures,
         "ttft_p50_ms": percentile(out.ttft, 50) * 1e3,
@@ -277,16 +278,17 @@ def main() -> None:
     add("--vllm-router", default=None, help="path of the vllm-router binary (0.1.17); its row is skipped without it")
     add("--routers", nargs="+", default=["splitserve:round-robin", "splitserve:prefix-aware",
                                          "splitserve:precise-prefix", "vllm-router:cache_aware"])  # fmt: skip
-    add("--replicas", nargs="+", type=int, default=[1, 2])
-    add("--workers", type=int, default=4)
-    add("--num-kv-blocks", type=int, default=40, help="per worker, of 128 tokens (cpu-tiny's block size)")
+    add("--replicas", nargs="+", default=["1", "2", "1x2"],
+        help="router layouts: N replicas, or 1xP for one router with --workers P (splitserve only)")  # fmt: skip
+    add("--sim-workers", type=int, default=4, help="aggregated engine simulators")
+    add("--num-kv-blocks", type=int, default=24, help="per worker, of 128 tokens (cpu-tiny's block size)")
     add("--time-scale", type=float, default=1.0)
     add("--seconds", type=float, default=60.0, help="sessions start during this long")
-    add("--rate", type=float, default=3.0, help="new sessions per second")
+    add("--rate", type=float, default=9.0, help="new sessions per second (round-robin saturates near 9)")
     add("--tenants", type=int, default=24)
     add("--zipf", type=float, default=1.0)
-    add("--system-words", type=int, default=400)
-    add("--turn-words", type=int, default=40)
+    add("--system-words", type=int, default=250)
+    add("--turn-words", type=int, default=25)
     add("--max-turns", type=int, default=4)
     add("--think-seconds", type=float, default=1.0)
     add("--max-tokens", type=int, default=24)
@@ -304,6 +306,10 @@ def main() -> None:
             if kind == "vllm-router" and not args.vllm_router:
                 print(f"  skipping {spec}: no --vllm-router", file=sys.stderr)
                 continue
+            if kind == "vllm-router" and "x" in replicas:
+                continue  # one vllm-router process already uses every core (tokio threads)
+            if "x" in replicas and policy == "round-robin":
+                continue  # nothing to lose across processes
             rows.append(asyncio.run(run_one(kind, policy, replicas, args, tokenizer)))
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     print(table(rows))

