@@ -129,10 +129,12 @@ def test_router_command_line_is_the_routers_own_and_the_clusters() -> None:
     target = Target(Owner("t", "default"), deployment.spec)
     in_cluster = build_router_deployment(target)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert in_cluster[0] == "router"
-    local_only = ("--host", "--port", "--prefill=", "--decode=", "--drain-seconds", "--tokenizer")
+    local_only = ("--host", "--port", "--prefill=", "--decode=", "--drain-seconds", "--tokenizer", "--workers")
     cluster_only = ("--host", "--port", "--discovery", "--namespace", "--prefill-service", "--decode-service")
-    shared = [flag for flag in in_cluster[1:] if not flag.startswith((*cluster_only, "--worker-port"))]
+    shared = [flag for flag in in_cluster[1:] if not flag.startswith((*cluster_only, "--worker-port", "--workers"))]
     assert [flag for flag in flags if not flag.startswith(local_only)] == shared
+    # Locally one router process (the engines need the other cores); in a cluster one per requested core.
+    assert "--workers=1" in flags and "--workers=1" in in_cluster
 
 
 def test_vllm_workers_get_their_own_nixl_port_and_offline_env() -> None:

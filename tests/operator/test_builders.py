@@ -285,3 +285,11 @@ def test_router_gets_no_tokenizer_or_volume_otherwise(model: dict[str, Any], pol
     pod = children["Deployment/demo-router"]["spec"]["template"]["spec"]
     assert _option(pod["containers"][0]["args"], "--tokenizer") is None
     assert "volumes" not in pod and "volumeMounts" not in pod["containers"][0]
+
+
+@pytest.mark.parametrize(("cpu", "processes"), [("1", 1), ("500m", 1), ("2", 2), ("1.5", 2), ("2500m", 3), (4, 4)])
+def test_router_runs_one_process_per_requested_core(cpu: str | int, processes: int) -> None:
+    from splitserve.builders.router import router_processes
+
+    # The router has no CPU limit, so it cannot find its share from a cgroup quota: it is told.
+    assert router_processes(cpu) == processes

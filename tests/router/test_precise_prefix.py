@@ -19,7 +19,6 @@ import pytest
 import zmq
 import zmq.asyncio
 from aiohttp import web
-from conftest import wait_until
 
 from splitserve.local.ports import free_port
 from splitserve.router.app import Router
@@ -30,6 +29,7 @@ from splitserve.sim import SimWorker, tokenize
 from splitserve.sim.config import EngineLimits, KVEventsConfig
 from splitserve.sim.kv_events import BlockStored, EventBatch
 from testkit.router import router_config, running_router, sim_config
+from tests.router.conftest import wait_until
 
 BLOCK = 16
 # Room for about three 200-token prompts: a few other prompts evict a family's blocks.

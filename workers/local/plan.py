@@ -123,6 +123,9 @@ def _router(deployment: LocalDeployment, workers: list[ProcessSpec], inputs: Pla
     argv = [*inputs.splitserve, "router"]
     argv += router_args(deployment.spec, host=LOOPBACK, port=inputs.router_port, workers=static)
     argv.append(f"--drain-seconds={inputs.router_drain_seconds:g}")
+    # One router process: locally the engines need the other cores, and a second router process
+    # contending with them for a core costs latency (benchmarks/router/README.md, shared cores).
+    argv.append("--workers=1")
     if inputs.engine is Engine.VLLM and inputs.model_path and uses_tiny_model(deployment):
         # The real tokenizer makes the router's token counts (threshold, prefix hashing) exact.
         argv.append(f"--tokenizer={inputs.model_path}")

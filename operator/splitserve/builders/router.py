@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -76,11 +77,26 @@ def router_tokenizer(spec: InferenceDeploymentSpec) -> str | None:
     return model_location(spec)
 
 
+def router_processes(cpu: int | str) -> int:
+    """Router processes for a CPU request (`--workers`): one per requested core, rounded up.
+
+    Said explicitly because the router container has no CPU limit: without a cgroup quota its default
+    (the cores it may use) would be every core of the node.
+    """
+    text = str(cpu).strip()
+    try:
+        cores = float(text[:-1]) / 1000 if text.endswith("m") else float(text)
+    except ValueError:
+        return 1
+    return max(1, math.ceil(cores))
+
+
 def router_container_args(target: Target) -> list[str]:
     """The router container's args (after its `splitserve` command)."""
     spec = target.spec
     workers = kubernetes_discovery_args(target)
     args = ["router", *router_args(spec, host="0.0.0.0", port=ROUTER_CONTAINER_PORT, workers=workers)]
+    args.append(f"--workers={router_processes(spec.router.cpu)}")
     tokenizer = router_tokenizer(spec)
     return [*args, f"--tokenizer={tokenizer}"] if tokenizer is not None else args
 
