@@ -42,14 +42,16 @@ def member(i: int) -> str:
     return f"{FAMILY} question {i}"
 
 
-def events_worker(port: int = 0, events_port: int | None = None, replay: bool = False) -> SimWorker:
+def events_worker(
+    port: int = 0, events_port: int | None = None, replay: bool = False, role: str = "aggregated"
+) -> SimWorker:
     events = KVEventsConfig(
         enable_kv_cache_events=True,
         endpoint=f"tcp://*:{events_port or free_port()}",
         replay_endpoint=f"tcp://*:{free_port()}" if replay else None,
         topic="kv",
     )
-    return SimWorker(sim_config("aggregated", limits=LIMITS, kv_events=events, port=port))
+    return SimWorker(sim_config(role, limits=LIMITS, kv_events=events, port=port))
 
 
 async def complete(session: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 2) -> None:
@@ -177,6 +179,44 @@ async def test_a_lost_publisher_drops_its_entries_until_it_comes_back() -> None:
             a.reopen_kv_events()
             await subscribed(index, a)
             await wait_until(lambda: mirrors(index, a))  # once the last events are in
+
+
+def queried(worker: SimWorker) -> float:
+    """Prompt tokens the engine looked up in its prefix cache: it computed a prompt when this grows."""
+    assert worker.engine is not None
+    return float(worker.engine.metrics.prefix_cache_queries._value.get())
+
+
+async def test_the_prefill_pool_is_routed_by_its_own_events_and_follows_a_cache_reset() -> None:
+    prefill_a, prefill_b = events_worker(role="prefill"), events_worker(role="prefill")
+    async with prefill_a as a, prefill_b as b, SimWorker(sim_config("decode", limits=LIMITS)) as decode:
+        config = router_config(prefill_urls=(a.url, b.url), decode_urls=(decode.url,),
+                               prefill_policy="precise-prefix", decode_policy="least-loaded")  # fmt: skip
+        async with running_router(config) as (router, url), aiohttp.ClientSession() as session:
+            policy = router.prefill.policy
+            assert isinstance(policy, PrecisePrefix) and isinstance(policy.cache, KvBlockIndex)
+            index = policy.cache
+            await subscribed(index, a, b)
+            await complete(session, url, member(0))  # through the router: a prefill worker computes it
+            await wait_until(lambda: held(index, a, member(1)) + held(index, b, member(1)) >= 10)
+            holder, other = (a, b) if held(index, a, member(1)) else (b, a)
+            before = queried(holder), queried(other)
+            for i in range(1, 6):
+                await complete(session, url, member(i))
+            assert queried(other) == before[1], "a family member was prefilled where its prefix is not cached"
+            assert queried(holder) > before[0]
+
+            # The holder's cache is reset (AllBlocksCleared): the index forgets it, the other worker
+            # gets the family next, and from then on keeps it.
+            async with session.post(holder.url + "/reset_prefix_cache") as reset:
+                assert (await reset.json())["success"] is True
+            await wait_until(lambda: held(index, holder, member(1)) == 0)
+            before = queried(holder), queried(other)
+            await complete(session, other.url, member(50))  # warm the other one directly
+            await wait_until(lambda: held(index, other, member(1)) >= 10)
+            for i in range(6, 10):
+                await complete(session, url, member(i))
+            assert queried(holder) == before[0]
 
 
 # ---- gaps, with a scripted publisher --------------------------------------------------------
