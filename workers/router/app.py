@@ -146,8 +146,7 @@ class Router:
 
     def _tokenizing_workers(self) -> list[Worker]:
         # Least busy first: tokenizing is cheap, but a worker deep in a long prefill answers late.
-        healthy = [w for w in self.decode.workers if w.state == "healthy"]
-        return sorted(healthy, key=lambda w: w.inflight)
+        return sorted(self.decode.healthy, key=lambda w: w.inflight)
 
     # ---- lifecycle --------------------------------------------------------------------------
 
@@ -210,8 +209,8 @@ class Router:
         body = {
             "ready": self.ready,
             "draining": self.draining,
-            "decode_workers": sum(1 for w in self.decode.workers if w.state == "healthy"),
-            "prefill_workers": sum(1 for w in self.prefill.workers if w.state == "healthy"),
+            "decode_workers": len(self.decode.healthy),
+            "prefill_workers": len(self.prefill.healthy),
         }
         return web.json_response(body, status=200 if self.ready else 503)
 
@@ -241,7 +240,7 @@ class Router:
         ``bench serve`` asks for /tokenize). The engine's answer, errors included, comes back unchanged."""
         raw = await self._read_body(request)
         last_error: Exception | None = None
-        for worker in [w for w in self.decode.workers if w.state == "healthy"]:
+        for worker in self.decode.healthy:
             try:
                 timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
                 headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}

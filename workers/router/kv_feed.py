@@ -113,6 +113,10 @@ class KvEventFeed:
         task = self._tasks.pop(url, None)
         if task is not None:
             task.cancel()
+        self._forget(url)
+
+    def _forget(self, url: str) -> None:
+        """Drop what the index knows of a worker, and how far its stream was read, together."""
         self.index.forget(url)
         self.last_seq.pop(url, None)
 
@@ -151,7 +155,7 @@ class KvEventFeed:
                 log.debug("KV event sources of %s unavailable: %s", url, error)
             except Exception:  # the feed must outlive anything one worker sends
                 log.exception("KV event feed of %s failed; retrying", url)
-            self.index.forget(url)
+            self._forget(url)
             await asyncio.sleep(self._retry)
 
     async def _sources(self, url: str) -> list[EventSource]:
@@ -248,7 +252,7 @@ class _Follower:
     def _reset(self, why: str) -> None:
         log.info("rebuilding the KV index of %s: %s", self._url, why)
         self._feed.resets += 1
-        self._feed.index.forget(self._url)
+        self._feed._forget(self._url)
         self._last_seq = None
 
     async def _replay(self, start: int, stop: int) -> bool:

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
@@ -38,6 +39,34 @@ class PoolView(Protocol):
         ...
 
 
+@dataclass(frozen=True)
+class _PoolSeries:
+    """One pool gauge: its name (after the prefix), help, labels, and how a ``--workers N`` router's
+    processes combine it (prometheus-client's multiprocess mode)."""
+
+    name: str
+    documentation: str
+    labels: tuple[str, ...]
+    across_processes: str
+
+
+_PREFIX = "splitserve_router_"
+# Every process sees the same workers and indexes the same KV events: worker counts and index sizes
+# are the same in each (the highest is reported), and the slowest process's last applied batch is
+# how far the whole router has read. Requests are each in one process: those add up.
+_POOL_SERIES = (
+    _PoolSeries("queue_depth", "Requests waiting for a worker slot, by pool", ("pool",), "livesum"),
+    _PoolSeries("inflight_requests", "Requests holding a worker slot, by pool", ("pool",), "livesum"),
+    _PoolSeries("worker_inflight", "Requests in flight per worker", ("pool", "worker"), "livesum"),
+    _PoolSeries("workers", "Known workers by pool and state", ("pool", "state"), "livemax"),
+    _PoolSeries("kv_index_blocks", "precise-prefix: cached blocks each worker's KV events say it holds",
+                ("pool", "worker"), "livemax"),
+    _PoolSeries("kv_events_seq",
+                "precise-prefix: sequence number of the newest KV-event batch applied from each worker (-1: none yet)",
+                ("pool", "worker"), "livemin"),
+)  # fmt: skip
+
+
 class PoolCollector(Collector):
     """Pool gauges computed from the pools' own counters when Prometheus scrapes, so the request
     path pays nothing for them."""
@@ -46,64 +75,43 @@ class PoolCollector(Collector):
         self._pools = pools
 
     def collect(self) -> Iterable[Metric]:
-        p = "splitserve_router_"
-        queue = GaugeMetricFamily(p + "queue_depth", "Requests waiting for a worker slot, by pool", labels=["pool"])
-        inflight = GaugeMetricFamily(
-            p + "inflight_requests", "Requests holding a worker slot, by pool", labels=["pool"]
-        )
-        per_worker = GaugeMetricFamily(
-            p + "worker_inflight", "Requests in flight per worker", labels=["pool", "worker"]
-        )
-        states = GaugeMetricFamily(p + "workers", "Known workers by pool and state", labels=["pool", "state"])
-        indexed = GaugeMetricFamily(
-            p + "kv_index_blocks",
-            "precise-prefix: cached blocks each worker's KV events say it holds",
-            labels=["pool", "worker"],
-        )
-        applied = GaugeMetricFamily(
-            p + "kv_events_seq",
-            "precise-prefix: sequence number of the newest KV-event batch applied from each worker (-1: none yet)",
-            labels=["pool", "worker"],
-        )
+        families = {
+            s.name: GaugeMetricFamily(_PREFIX + s.name, s.documentation, labels=list(s.labels)) for s in _POOL_SERIES
+        }
         for pool in self._pools:
             for url, (blocks, seq) in pool.kv_index_state().items():
-                indexed.add_metric([pool.name, url], blocks)
-                applied.add_metric([pool.name, url], seq)
-            queue.add_metric([pool.name], pool.queue_depth)
-            inflight.add_metric([pool.name], pool.inflight)
+                families["kv_index_blocks"].add_metric([pool.name, url], blocks)
+                families["kv_events_seq"].add_metric([pool.name, url], seq)
+            families["queue_depth"].add_metric([pool.name], pool.queue_depth)
+            families["inflight_requests"].add_metric([pool.name], pool.inflight)
             counts = dict.fromkeys(("healthy", "ejected", "terminating"), 0)
             for worker in [*pool.workers, *pool.departing]:
-                per_worker.add_metric([pool.name, worker.url], worker.inflight)
+                families["worker_inflight"].add_metric([pool.name, worker.url], worker.inflight)
                 if not worker.removed:
                     counts[str(worker.state)] += 1
             for state, count in counts.items():
-                states.add_metric([pool.name, state], count)
-        return [queue, inflight, per_worker, states, indexed, applied]
+                families["workers"].add_metric([pool.name, state], count)
+        return list(families.values())
 
 
 class PoolGauges:
     """The pool gauges of one process of a multi-process router (``--workers N``).
 
     Scrape-time collectors only see the process that answers the scrape, so each process writes its
-    own figures into prometheus-client's multiprocess files, where the scrape sums them over the live
-    processes (worker counts: the highest, since every process sees the same workers). Written every
-    second and just before a scrape, so the request path still pays nothing.
+    own figures into prometheus-client's multiprocess files, where the scrape combines them over the
+    live processes (``_POOL_SERIES`` says how). Written every second and just before a scrape, so the
+    request path still pays nothing.
     """
-
-    # Every process indexes the same events: the index size is the same in each (report the highest),
-    # and the slowest process's last applied batch is how far the whole router has read.
-    _MODES = {"queue_depth": "livesum", "inflight_requests": "livesum", "worker_inflight": "livesum",
-              "workers": "livemax", "kv_index_blocks": "livemax", "kv_events_seq": "livemin"}  # fmt: skip
 
     def __init__(self, pools: Sequence[PoolView], registry: CollectorRegistry) -> None:
         self._collector = PoolCollector(pools)
-        self._gauges: dict[str, Gauge] = {}
-        for family in self._collector.collect():
-            short = family.name.removeprefix("splitserve_router_")
-            self._gauges[family.name] = Gauge(
-                family.name, family.documentation, _FAMILY_LABELS[short], registry=registry,
-                multiprocess_mode=self._MODES[short],  # type: ignore[arg-type]
-            )  # fmt: skip
+        self._gauges = {
+            _PREFIX + s.name: Gauge(
+                _PREFIX + s.name, s.documentation, s.labels, registry=registry,
+                multiprocess_mode=s.across_processes,  # type: ignore[arg-type]
+            )
+            for s in _POOL_SERIES
+        }  # fmt: skip
         self._written: dict[str, set[tuple[str, ...]]] = {name: set() for name in self._gauges}
 
     def publish(self) -> None:
@@ -119,11 +127,6 @@ class PoolGauges:
             self._written[family.name] = now
 
 
-_FAMILY_LABELS = {"queue_depth": ["pool"], "inflight_requests": ["pool"], "worker_inflight": ["pool", "worker"],
-                  "workers": ["pool", "state"], "kv_index_blocks": ["pool", "worker"],
-                  "kv_events_seq": ["pool", "worker"]}  # fmt: skip
-
-
 def multiprocess_dir() -> str | None:
     """Where the processes of a ``--workers N`` router share their metrics (set by the parent)."""
     return os.environ.get("PROMETHEUS_MULTIPROC_DIR") or None
@@ -135,7 +138,7 @@ class RouterMetrics:
         self.shared_dir = shared_dir
         self._pool_gauges: PoolGauges | None = None
         r = self.registry
-        p = "splitserve_router_"
+        p = _PREFIX
         self.requests = Counter(
             p + "requests", "Finished requests by outcome and serving mode", ["outcome", "mode"], registry=r
         )

@@ -43,10 +43,9 @@ class RoutingRequest:
     prompt_tokens: int = 0
     # Router-side chained hashes of the prompt's blocks, for prefix-aware.
     block_hashes: tuple[int, ...] = ()
-    # The prompt's token ids as the engine will see them, and the extra keys vLLM hashes into its
-    # blocks, for precise-prefix (which derives its keys per engine block size).
+    # The prompt's token ids as the engine will see them, and the cache salt vLLM hashes into its
+    # first block, for precise-prefix (which derives its keys per engine block size).
     token_ids: tuple[int, ...] = ()
-    lora_name: str | None = None
     cache_salt: str | None = None
 
 
@@ -244,7 +243,7 @@ class PrecisePrefix:
             return 0
         keys = keys_by_size.get(size)
         if keys is None:
-            keys = request_keys(request.token_ids, size, lora_name=request.lora_name, cache_salt=request.cache_salt)
+            keys = request_keys(request.token_ids, size, cache_salt=request.cache_salt)
             keys_by_size[size] = keys
         return cache.matched_blocks(worker, keys) * size
 

@@ -140,8 +140,13 @@ class WorkerPool:
         return sorted(self._workers.values(), key=lambda w: w.url)
 
     @property
+    def healthy(self) -> list[Worker]:
+        """The healthy workers, by URL: kept by _changed() on every state change."""
+        return list(self._routable)
+
+    @property
     def has_healthy(self) -> bool:
-        return bool(self._routable)  # kept to the healthy workers by _changed() on every state change
+        return bool(self._routable)
 
     def has_healthy_except(self, tried: set[str]) -> bool:
         return any(w.state is WorkerState.HEALTHY and w.url not in tried for w in self._workers.values())

@@ -27,6 +27,8 @@ import time
 from multiprocessing.process import BaseProcess
 from types import FrameType
 
+from prometheus_client import multiprocess
+
 from splitserve.router.config import RouterConfig
 
 log = logging.getLogger("splitserve.router")
@@ -114,8 +116,6 @@ def run_processes(config: RouterConfig, args: argparse.Namespace) -> int:
             multiprocessing.connection.wait([p.sentinel for p in children], timeout=1.0)
             for process in [p for p in children if not p.is_alive()]:
                 children.remove(process)
-                from prometheus_client import multiprocess
-
                 if process.pid:
                     multiprocess.mark_process_dead(process.pid, shared)  # type: ignore[no-untyped-call]
                 if stopping:

@@ -58,10 +58,6 @@ class HuggingFaceTokenizer:
         self._special = {k: _token_text(v) for k, v in config.items() if k.endswith("_token")}
         self._template = _compile_chat_template(template) if isinstance(template, str) else None
 
-    @property
-    def has_chat_template(self) -> bool:
-        return self._template is not None
-
     def encode_ids(self, text: str) -> list[int]:
         ids: list[int] = self._tokenizer.encode(text, add_special_tokens=True).ids
         return ids
@@ -196,16 +192,15 @@ class PromptMeasurer:
         self._want_ids = want_token_ids
 
     def measure(self, body: dict[str, Any]) -> PromptShape:
-        exact = self._exact_ids(body)
-        if exact is not None:
-            hashes = chain_hashes_ids(exact, self._block_tokens) if self._want_hashes else ()
-            return PromptShape(len(exact), hashes, tuple(exact) if self._want_ids else ())
         prompt = prompt_text(body)
         if prompt is None:
             return PromptShape(0, ())
-        if isinstance(prompt, list):
-            hashes = chain_hashes_ids(prompt, self._block_tokens) if self._want_hashes else ()
-            return PromptShape(len(prompt), hashes)
+        exact = self._exact_ids(body, prompt)
+        if exact is not None:
+            hashes = chain_hashes_ids(exact, self._block_tokens) if self._want_hashes else ()
+            return PromptShape(len(exact), hashes, tuple(exact) if self._want_ids else ())
+        # Approximate from here on: a chat request without a chat template, or no tokenizer at all.
+        assert isinstance(prompt, str)  # token-id prompts are always exact
         if self._tokenizer is not None:
             ids = self._tokenizer.encode_ids(prompt)
             hashes = chain_hashes_ids(ids, self._block_tokens) if self._want_hashes else ()
@@ -216,14 +211,13 @@ class PromptMeasurer:
             return PromptShape(tokens, ())
         return PromptShape(tokens, chain_hashes_bytes(data, self._block_tokens * self._bytes_per_token))
 
-    def _exact_ids(self, body: dict[str, Any]) -> list[int] | None:
+    def _exact_ids(self, body: dict[str, Any], prompt: str | list[int]) -> list[int] | None:
         """The token ids the engine will compute, when they can be known here."""
         if "messages" in body:
             encode_chat = getattr(self._tokenizer, "encode_chat", None)
             return None if encode_chat is None else encode_chat(body)
-        prompt = prompt_text(body)
         if isinstance(prompt, list):
             return prompt  # token-id prompts reach the engine unchanged
-        if isinstance(prompt, str) and self._tokenizer is not None:
+        if self._tokenizer is not None:
             return self._tokenizer.encode_ids(prompt)
         return None

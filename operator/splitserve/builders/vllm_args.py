@@ -29,7 +29,8 @@ KV_BOTH = "kv_both"
 # The router subscribes to this topic of each engine's KV-event publisher (precise-prefix routing).
 KV_EVENTS_TOPIC = "kv"
 # The block hashes an engine's events name blocks by, made reproducible outside its Python process
-# (canonical CBOR then SHA-256; vLLM's default sha256 hashes pickled objects) for whoever reads the events.
+# (canonical CBOR then SHA-256; vLLM's default sha256 hashes pickled objects) for consumers that key on
+# them. splitserve's router recomputes its own keys from the events' token ids and does not need it.
 KV_EVENTS_HASH_ALGO = "sha256_cbor"
 
 
