@@ -11,7 +11,8 @@ engine hashes) and a ``BlockStored``'s ``parent_block_hash``.
 
 The key of block *i* covers its tokens, the key of block *i-1*, and the block's extra keys as vLLM
 hashes them: the LoRA name on every block and the cache salt on the first. So a request can only
-match blocks computed for the same adapter and salt, exactly as in the engine.
+match blocks computed for the same adapter and salt, exactly as in the engine (the router keys every
+request as a base-model prompt today: it does not know which model names are adapters).
 """
 
 from __future__ import annotations
