@@ -58,7 +58,7 @@ def test_crd_names_subresources_and_columns() -> None:
     version = crd["spec"]["versions"][0]
     assert version["subresources"] == {"status": {}}
     columns = [column["name"] for column in version["additionalPrinterColumns"]]
-    assert columns[:5] == ["Ready", "Mode", "Prefill", "Decode", "Endpoint"]
+    assert columns[:6] == ["Ready", "Mode", "Prefill", "Decode", "Rollout", "Endpoint"]
     assert columns[-1] == "Age"
 
 

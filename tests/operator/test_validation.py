@@ -143,7 +143,6 @@ def test_wrong_kind_is_rejected() -> None:
     ("field", "old", "new", "message"),
     [
         (("model", "name"), "m", "other", "model.name is immutable"),
-        (("kvTransfer", "connector"), "NixlConnector", "ExampleConnector", "kvTransfer.connector is immutable"),
     ],
 )
 def test_transition_rules_make_fields_immutable(field: tuple[str, str], old: str, new: str, message: str) -> None:
@@ -155,6 +154,12 @@ def test_transition_rules_make_fields_immutable(field: tuple[str, str], old: str
     problems = validate_object(after, old=before)
     assert any(message in p.message for p in problems), problems
     assert validate_object(before, old=before) == []
+
+
+def test_changing_the_connector_is_allowed_it_starts_a_new_kv_generation() -> None:
+    before = minimal(kvTransfer={"connector": "NixlConnector"})
+    after = minimal(kvTransfer={"connector": "ExampleConnector"})
+    assert validate_object(after, old=before) == []
 
 
 def test_multi_document_file_reports_each_document(tmp_path: Path) -> None:

@@ -34,7 +34,14 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
         "jsonPath": ".status.decode.summary",
         "description": "ready/desired",
     },
+    {
+        "name": "Rollout",
+        "type": "string",
+        "jsonPath": ".status.rollout.summary",
+        "description": "KV generation being rolled out: ready/desired workers, traffic share",
+    },
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
+    {"name": "Generation", "type": "string", "jsonPath": ".status.kvGeneration", "priority": 1},
     {"name": "Diagnosis", "type": "string", "jsonPath": ".status.diagnosis.summary", "priority": 1},
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]

@@ -174,6 +174,9 @@ class EngineSpec(ApiModel):
         0.9, ge=0.05, le=0.99, description="Fraction of GPU memory vLLM may use (weights + KV cache)."
     )
     block_size: Literal[8, 16, 32, 64, 128] | None = Field(None, description="PagedAttention KV block size.")
+    kv_cache_dtype: Literal["auto", "fp8", "fp8_e4m3", "fp8_e5m2"] = Field(
+        "auto", description="KV-cache storage dtype (vLLM --kv-cache-dtype); auto follows the model dtype."
+    )
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Max sequences in a running batch.")
     kv_events_port: int = Field(
         5557,
@@ -190,10 +193,8 @@ class EngineSpec(ApiModel):
 class KvTransferSpec(ApiModel):
     connector: Connector = Field(
         Connector.NIXL,
-        description="vLLM KV connector moving a prompt's KV cache from prefill to decode.",
-        json_schema_extra=immutable(
-            "kvTransfer.connector is immutable: old and new pods could not exchange KV during a rollout"
-        ),
+        description="vLLM KV connector moving a prompt's KV cache from prefill to decode. Changing it starts a "
+        "new KV generation: new pools come up beside the old ones, and the router never pairs across the two.",
     )
     buffer_device: Literal["cuda", "cpu"] = Field("cuda", description="Where the connector stages KV blocks.")
     side_channel_port: int = Field(5600, ge=1024, le=65535, description="NIXL handshake (side-channel) port.")
@@ -342,6 +343,45 @@ class OptimizationSpec(ApiModel):
     )
 
 
+# --------------------------------------------------------------------------- rollout
+
+
+class PoolRollout(ApiModel):
+    max_surge: int = Field(
+        1,
+        ge=1,
+        le=1000,
+        description="New-generation workers of this pool started at once beyond the pool's size (the extra "
+        "GPUs a rollout may hold: maxSurge x resources.gpus).",
+    )
+
+
+class RolloutAnalysis(ApiModel):
+    """Compares the new generation with the old over a window of the router's per-generation metrics."""
+
+    window_seconds: int = Field(300, ge=30, le=86400, description="Window the two generations are compared over.")
+    min_requests: int = Field(
+        20, ge=1, le=1_000_000, description="New-generation requests in the window before a verdict is given."
+    )
+    max_error_rate_increase: float = Field(
+        0.02, ge=0, le=1, description="Pause when the new error rate exceeds the old by more than this (absolute)."
+    )
+    max_ttft_p90_ratio: float = Field(
+        1.5, ge=1, le=100, description="Pause when the new TTFT p90 exceeds the old one times this."
+    )
+    prometheus_url: str | None = Field(
+        None, pattern=r"^https?://", description="Prometheus HTTP API; unset: autoscaling.prometheusUrl."
+    )
+
+
+class RolloutSpec(ApiModel):
+    prefill: PoolRollout = Field(default_factory=PoolRollout)
+    decode: PoolRollout = Field(default_factory=PoolRollout, description="Also used by an aggregated pool.")
+    analysis: RolloutAnalysis | None = Field(
+        None, description="Compare the new generation with the old while both serve; a regression pauses the rollout."
+    )
+
+
 # --------------------------------------------------------------------------- root
 
 
@@ -375,3 +415,8 @@ class InferenceDeploymentSpec(ApiModel):
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     monitoring: MonitoringSpec = Field(default_factory=MonitoringSpec)
     optimization: OptimizationSpec = Field(default_factory=OptimizationSpec)
+    rollout: RolloutSpec = Field(
+        default_factory=RolloutSpec,
+        description="How a change of the KV generation (api/generation.py: model revision, dtype, image, "
+        "TP layout, connector ...) rolls out: new pools beside the old, make-before-break.",
+    )

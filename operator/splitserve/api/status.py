@@ -105,6 +105,45 @@ class AutopilotStatus(ApiModel):
     samples: int = Field(0, ge=0, description="Telemetry samples the autopilot holds in memory.")
 
 
+class GenerationPool(ApiModel):
+    role: str
+    ready: int = 0
+    desired: int = 0
+
+
+class GenerationState(StrEnum):
+    SERVING = "Serving"
+    ROLLING_OUT = "RollingOut"
+    DRAINING = "Draining"
+    PAUSED = "Paused"
+
+
+class GenerationStatus(ApiModel):
+    """One KV generation of worker pools (api/generation.py) that exists in the cluster."""
+
+    id: str
+    state: GenerationState
+    changed: list[str] = Field(
+        default_factory=list, description="The KV-generation fields that differ from the generation it replaces."
+    )
+    pools: list[GenerationPool] = Field(default_factory=list)
+    traffic_share: float = Field(0.0, ge=0, le=1, description="Share of decode capacity the router sends to it.")
+    analysis: str = Field("", description="The rollout analysis' verdict on this generation, with its numbers.")
+    since: str | None = Field(None, description="RFC 3339 time it took its current state.")
+
+
+class RolloutStatus(ApiModel):
+    """A rollout in progress (absent when one generation serves alone)."""
+
+    generation: str = Field(description="The generation being rolled out (the spec's).")
+    replacing: list[str] = Field(default_factory=list, description="The generations it replaces.")
+    paused: bool = False
+    reason: str = ""
+    message: str = ""
+    started: str | None = None
+    summary: str = Field("", description="One line for kubectl columns, e.g. 3f2a9c01d4 1/2 (67% traffic).")
+
+
 class InferenceDeploymentStatus(ApiModel):
     observed_generation: int = 0
     conditions: list[Condition] = Field(default_factory=list)
@@ -118,6 +157,9 @@ class InferenceDeploymentStatus(ApiModel):
     diagnosis: DiagnosisStatus | None = None
     optimization: list[OptimizationEvent] = Field(default_factory=list, max_length=20)
     autopilot: AutopilotStatus | None = None
+    kv_generation: str = Field("", description="The KV generation the spec asks for (api/generation.py).")
+    generations: list[GenerationStatus] = Field(default_factory=list, max_length=8)
+    rollout: RolloutStatus | None = None
 
     def with_condition(
         self,

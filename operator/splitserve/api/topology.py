@@ -15,6 +15,9 @@ LABEL_ROLE = f"{API_GROUP}/role"
 # Decode and aggregated workers both answer decode requests; the decode Service selects this
 # label so a mode switch can run old and new pools side by side behind one Service.
 LABEL_SERVES_DECODE = f"{API_GROUP}/serves-decode"
+# The KV generation of a worker pod (api/generation.py): the router pairs prefill and decode only
+# within one, and a new one rolls out as new pools beside the old.
+LABEL_GENERATION = f"{API_GROUP}/generation"
 ROUTER_ROLE = "router"
 WORKER_HTTP_PORT_NAME = "http"
 KV_SIDE_CHANNEL_PORT_NAME = "kv-side"
@@ -22,6 +25,11 @@ KV_SIDE_CHANNEL_PORT_NAME = "kv-side"
 KV_EVENTS_PORT_NAME = "kv-events"
 # The pool size the spec declared when the operator last wrote it (see builders.workers).
 ANNOTATION_DECLARED_REPLICAS = f"{API_GROUP}/declared-replicas"
+# On each worker Deployment: the generation's inputs (api/generation.generation_inputs, JSON), so a
+# rollout can say which fields changed without the old spec.
+ANNOTATION_GENERATION_INPUTS = f"{API_GROUP}/generation-inputs"
+# On a new generation's worker Deployment: the size it must reach, fixed when its rollout started.
+ANNOTATION_ROLLOUT_TARGET = f"{API_GROUP}/rollout-target-replicas"
 # Replica counts are written through /scale under this manager, never in the operator's apply set.
 SCALE_FIELD_MANAGER = "splitserve-scaler"
 
@@ -72,6 +80,11 @@ def pool_name(owner_name: str, role: Role | str) -> str:
     return f"{owner_name}-{role}"
 
 
+def generation_pool_name(owner_name: str, role: Role | str, generation: str) -> str:
+    """A worker pool Deployment of one KV generation: `<name>-<role>-<generation>`."""
+    return f"{owner_name}-{role}-{generation}"
+
+
 def router_name(owner_name: str) -> str:
     return f"{owner_name}-{ROUTER_ROLE}"
 
@@ -105,6 +118,15 @@ def pod_labels(owner_name: str, role: Role | str) -> dict[str, str]:
     if role in (Role.DECODE, Role.AGGREGATED):
         labels[LABEL_SERVES_DECODE] = "true"
     return labels
+
+
+def worker_selector_labels(owner_name: str, role: Role | str, generation: str) -> dict[str, str]:
+    """A worker Deployment's selector: its role and its generation (each generation is its own Deployment)."""
+    return selector_labels(owner_name, role) | {LABEL_GENERATION: generation}
+
+
+def worker_pod_labels(owner_name: str, role: Role | str, generation: str) -> dict[str, str]:
+    return pod_labels(owner_name, role) | {LABEL_GENERATION: generation}
 
 
 def router_endpoint(owner: Owner, port: int) -> str:

@@ -253,6 +253,8 @@ def build_engine_launch(
             args += ["--kv-cache-memory-bytes", kv_cache_memory_bytes]
     if engine.block_size is not None:
         args += ["--block-size", str(engine.block_size)]
+    if engine.kv_cache_dtype != "auto":
+        args += ["--kv-cache-dtype", engine.kv_cache_dtype]
     if engine.max_num_seqs is not None:
         args += ["--max-num-seqs", str(engine.max_num_seqs)]
     transfer = kv_transfer_config(spec, role, cpu=cpu)
