@@ -14,7 +14,7 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
 
 import aiohttp
 import orjson
@@ -25,6 +25,8 @@ from splitserve.kubeconfig import load_access
 from splitserve.router import errors
 from splitserve.router.config import DiscoveryKind, RouterConfig
 from splitserve.router.discovery import Discovery, DnsDiscovery, KubernetesDiscovery, StaticDiscovery
+from splitserve.router.discovery_file import FileDiscovery
+from splitserve.router.discovery_pods import PodDiscovery
 from splitserve.router.engine_tokens import EngineTokens
 from splitserve.router.flow import ClientGone, Flow, Handling, Outcome, RequestContext
 from splitserve.router.metrics import RouterMetrics, multiprocess_dir
@@ -56,11 +58,14 @@ def _request_record(
         record.update(
             prefill=ctx.prefill_url,
             decode=ctx.decode_url,
+            generation=ctx.generation,
             fallback_reason=ctx.fallback_reason,
             prompt_tokens=ctx.routing.prompt_tokens,
             completion_tokens=ctx.completion_tokens,
             ttft_s=None if ctx.ttft is None else round(ctx.ttft, 6),
         )
+        if ctx.prefill_generation is not None:
+            record["prefill_generation"] = ctx.prefill_generation
     return orjson.dumps(record).decode()
 
 
@@ -73,6 +78,14 @@ def _cache_salt(body: dict[str, object]) -> str | None:
 def make_discovery(config: RouterConfig) -> Discovery:
     if config.discovery is DiscoveryKind.STATIC:
         return StaticDiscovery({"prefill": config.prefill_urls, "decode": config.decode_urls})
+    if config.discovery is DiscoveryKind.FILE:
+        if not config.endpoints_file:
+            raise ValueError("file discovery needs an endpoints file")
+        return FileDiscovery(config.endpoints_file, config.endpoints_poll_interval)
+    if config.discovery is DiscoveryKind.PODS:
+        if not config.deployment:
+            raise ValueError("pods discovery needs a deployment name")
+        return PodDiscovery(load_access(config.kubeconfig), config.namespace, config.deployment, config.worker_port)
     services = {"decode": config.decode_service or ""}
     if config.prefill_service:
         services["prefill"] = config.prefill_service
@@ -150,9 +163,11 @@ class Router:
 
     # ---- lifecycle --------------------------------------------------------------------------
 
-    def _on_discovery(self, pool: str, ready: set[str], terminating: set[str]) -> None:
+    def _on_discovery(
+        self, pool: str, ready: set[str], terminating: set[str], generations: Mapping[str, str] | None = None
+    ) -> None:
         target = self.prefill if pool == "prefill" else self.decode
-        target.set_endpoints(ready, terminating)
+        target.set_endpoints(ready, terminating, generations)
 
     async def start(self) -> None:
         loop = asyncio.get_running_loop()
@@ -213,6 +228,15 @@ class Router:
             "prefill_workers": len(self.prefill.healthy),
         }
         return web.json_response(body, status=200 if self.ready else 503)
+
+    async def workers(self, request: web.Request) -> web.Response:
+        """GET /splitserve/workers: each pool's workers with generation, state and in-flight count.
+
+        Departing workers (gone from discovery, still finishing requests) are listed too, so a caller
+        rolling generations knows, from the router itself, when an old worker gets nothing more.
+        With ``--workers N`` this is the view of the process that answers.
+        """
+        return web.json_response({"prefill": self.prefill.describe(), "decode": self.decode.describe()})
 
     async def metrics_endpoint(self, request: web.Request) -> web.Response:
         response = web.Response(body=self.metrics.exposition())
@@ -323,6 +347,7 @@ class Router:
         finally:
             elapsed = time.monotonic() - started
             self.metrics.requests.labels(outcome.value, handling.value).inc()
+            self.metrics.generation_requests.labels(ctx.generation if ctx else "", outcome.value).inc()
             self.metrics.e2e.observe(elapsed)
             if request_log.isEnabledFor(logging.INFO):
                 request_log.info(_request_record(request, ctx, outcome, handling, status, elapsed))
@@ -369,6 +394,7 @@ def build_app(router: Router) -> web.Application:
     app.router.add_get("/health", router.health)
     app.router.add_get("/ready", router.readiness)
     app.router.add_get("/metrics", router.metrics_endpoint)
+    app.router.add_get("/splitserve/workers", router.workers)
 
     async def lifespan(_: web.Application) -> AsyncIterator[None]:
         await router.start()

@@ -11,7 +11,7 @@ from collections.abc import Callable
 
 from aiohttp import web
 
-from splitserve.router.config import DiscoveryKind, RouterConfig
+from splitserve.router.config import DiscoveryKind, GenerationPairing, RouterConfig
 from splitserve.router.policies import PolicyName
 from splitserve.router.processes import usable_cores
 
@@ -43,8 +43,22 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--prefill", type=_urls, default=(), help="static prefill worker URLs, comma-separated")
     add("--decode", type=_urls, default=(), help="static decode worker URLs, comma-separated")
     add("--discovery", choices=[d.value for d in DiscoveryKind], default=None,
-        help="static (default with --decode), dns, or kubernetes")  # fmt: skip
+        help="static (default with --decode), dns, kubernetes (EndpointSlices), file (--endpoints-file), "
+             "or pods (--deployment; knows each worker's KV generation)")  # fmt: skip
     add("--namespace", default="default")
+    add("--endpoints-file", default=None, metavar="PATH",
+        help='file discovery: JSON {"pools": {"prefill": [{"url", "generation", "state"}], "decode": [...]}}, '
+             "replaced atomically by its writer")  # fmt: skip
+    add("--endpoints-poll-interval", type=float, default=0.2, help="file discovery: seconds between reads")
+    add("--deployment", default=None,
+        help="pods discovery: the SplitServe deployment whose worker Pods (label splitserve.io/deployment) "
+             "to follow")  # fmt: skip
+    add("--prefill-pool", action=argparse.BooleanOptionalAction, default=True,
+        help="file/pods discovery: whether the deployment has a prefill pool (--no-prefill-pool in aggregated "
+             "mode: requests count as aggregated, not as fallbacks)")  # fmt: skip
+    add("--generation-pairing", choices=[g.value for g in GenerationPairing], default=GenerationPairing.STRICT.value,
+        help="strict: prefill and decode of a request are of one KV generation; off: ignore generations "
+             "(only to demonstrate the failure strict prevents)")  # fmt: skip
     add("--prefill-service", default=None, help="Service of the prefill pool (dns/kubernetes discovery)")
     add("--decode-service", default=None, help="Service of the decode pool (dns/kubernetes discovery)")
     add("--worker-port", type=int, default=8000)
@@ -91,14 +105,19 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     """RouterConfig from parsed flags; ValueError with a one-line message when they cannot work."""
     discovery = DiscoveryKind(args.discovery) if args.discovery else DiscoveryKind.STATIC
     if discovery is DiscoveryKind.STATIC and not args.decode:
-        raise ValueError("static discovery needs --decode URL[,URL...] (or use --discovery dns|kubernetes)")
-    if discovery is not DiscoveryKind.STATIC and not args.decode_service:
+        raise ValueError("static discovery needs --decode URL[,URL...] (or use --discovery dns|kubernetes|file|pods)")
+    if discovery is DiscoveryKind.FILE and not args.endpoints_file:
+        raise ValueError("--discovery file needs --endpoints-file PATH")
+    if discovery is DiscoveryKind.PODS and not args.deployment:
+        raise ValueError("--discovery pods needs --deployment NAME")
+    if discovery in (DiscoveryKind.DNS, DiscoveryKind.KUBERNETES) and not args.decode_service:
         raise ValueError(f"--discovery {discovery.value} needs --decode-service")
     numbers = {
         "--queue-limit": args.queue_limit, "--queue-timeout": args.queue_timeout,
         "--connect-timeout": args.connect_timeout, "--prefill-timeout": args.prefill_timeout,
         "--decode-timeout": args.decode_timeout, "--request-timeout": args.request_timeout,
         "--max-body-bytes": args.max_body_bytes, "--prefix-block-tokens": args.prefix_block_tokens,
+        "--endpoints-poll-interval": args.endpoints_poll_interval,
     }  # fmt: skip
     for flag, value in numbers.items():
         if value <= 0:
@@ -124,6 +143,11 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         worker_port=args.worker_port,
         kubeconfig=args.kubeconfig,
         dns_interval=args.dns_interval,
+        endpoints_file=args.endpoints_file,
+        endpoints_poll_interval=args.endpoints_poll_interval,
+        deployment=args.deployment,
+        prefill_pool=args.prefill_pool,
+        generation_pairing=GenerationPairing(args.generation_pairing),
         prefill_policy=args.prefill_policy or args.policy or "round-robin",
         decode_policy=args.decode_policy or args.policy or "least-loaded",
         queue_limit=args.queue_limit,

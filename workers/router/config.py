@@ -10,6 +10,17 @@ class DiscoveryKind(enum.StrEnum):
     STATIC = "static"
     DNS = "dns"
     KUBERNETES = "kubernetes"
+    # Workers with their KV generations: a JSON file (local stack, tests) or Pods and their labels.
+    FILE = "file"
+    PODS = "pods"
+
+
+class GenerationPairing(enum.StrEnum):
+    """Whether prefill and decode of one request must be of one KV generation. ``off`` exists only to
+    show, in a test, the failure ``strict`` prevents: KV of other weights decoded as if it fitted."""
+
+    STRICT = "strict"
+    OFF = "off"
 
 
 @dataclass(frozen=True)
@@ -30,6 +41,15 @@ class RouterConfig:
     worker_port: int = 8000
     kubeconfig: str | None = None
     dns_interval: float = 5.0
+    # file discovery: the JSON file its writer replaces atomically, and how often it is read.
+    endpoints_file: str | None = None
+    endpoints_poll_interval: float = 0.2
+    # pods discovery: the SplitServe deployment whose worker Pods (label splitserve.io/deployment) are followed.
+    deployment: str | None = None
+    # file/pods discovery: False when the deployment has no prefill pool (aggregated mode), so requests
+    # are counted aggregated rather than as fallbacks from a missing prefill pool.
+    prefill_pool: bool = True
+    generation_pairing: GenerationPairing = GenerationPairing.STRICT
 
     prefill_policy: str = "round-robin"
     decode_policy: str = "least-loaded"
@@ -71,4 +91,6 @@ class RouterConfig:
     def has_prefill_source(self) -> bool:
         if self.discovery is DiscoveryKind.STATIC:
             return bool(self.prefill_urls)
+        if self.discovery in (DiscoveryKind.FILE, DiscoveryKind.PODS):
+            return self.prefill_pool
         return bool(self.prefill_service)

@@ -1,7 +1,11 @@
-"""Where the workers are: static lists, DNS of headless Services, or EndpointSlices watched live.
+"""Where the workers are: static lists, DNS of headless Services, or EndpointSlices watched live
+(file and Pod discovery, which also know each worker's KV generation, are in discovery_file.py and
+discovery_pods.py).
 
-Each source calls ``on_update(pool, ready_urls, terminating_urls)`` with a full snapshot of a pool
-whenever it learns something; the pool diffs it against what it has (see WorkerPool.set_endpoints).
+Each source calls ``on_update(pool, ready_urls, terminating_urls[, generations])`` with a full
+snapshot of a pool whenever it learns something; the pool diffs it against what it has (see
+WorkerPool.set_endpoints). ``generations`` maps a URL to its worker's KV generation; sources that
+cannot know it leave it out, and every worker's generation is then "" (unknown).
 """
 
 from __future__ import annotations
@@ -10,6 +14,7 @@ import asyncio
 import logging
 import socket
 from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 import aiohttp
@@ -19,7 +24,35 @@ from splitserve.kubeconfig import KubeAccess
 
 log = logging.getLogger(__name__)
 
-UpdateCallback = Callable[[str, set[str], set[str]], None]
+
+class UpdateCallback(Protocol):
+    """A full snapshot of one pool. ``generations`` is optional so that sources without generations
+    (and callers outside this package, e.g. benchmarks' push discoveries) keep calling with three."""
+
+    def __call__(
+        self, pool: str, ready: set[str], terminating: set[str], generations: Mapping[str, str] | None = None, /
+    ) -> None: ...
+
+
+@dataclass
+class PoolSnapshot:
+    """What a generation-aware source knows of one pool: URLs by state and each URL's generation."""
+
+    ready: set[str] = field(default_factory=set)
+    terminating: set[str] = field(default_factory=set)
+    generations: dict[str, str] = field(default_factory=dict)
+
+    def report(self, pool: str, on_update: UpdateCallback) -> None:
+        on_update(pool, set(self.ready), set(self.terminating), dict(self.generations))
+
+
+# The two pools of a router. Decode also takes aggregated workers (they serve whole requests).
+POOLS = ("prefill", "decode")
+
+
+def url_of(host: str, port: int) -> str:
+    """``http://host:port``, an IPv6 address in brackets."""
+    return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
 class Discovery(Protocol):
@@ -92,7 +125,35 @@ def endpoints_of_slices(slices: Iterable[Mapping[str, Any]], port: int) -> tuple
     return ready, terminating - ready
 
 
-class KubernetesDiscovery:
+class ApiDiscovery:
+    """The base of the sources that follow the Kubernetes API with ListWatch (EndpointSlices here, Pods
+    in discovery_pods.py): the API, the namespace, the workers' port, and the watch timeout and retry
+    delay each of their ListWatches gets."""
+
+    def __init__(
+        self, access: KubeAccess, namespace: str, port: int, watch_timeout_seconds: int, retry_delay: float
+    ) -> None:
+        self._access = access
+        self._namespace = namespace
+        self._port = port
+        self._watch_timeout = watch_timeout_seconds
+        self._retry_delay = retry_delay
+
+    def _list_watch(
+        self,
+        session: aiohttp.ClientSession,
+        path: str,
+        selector: str,
+        on_change: Callable[[Mapping[str, Mapping[str, Any]]], None],
+        what: str,
+    ) -> ListWatch:
+        return ListWatch(
+            session, self._access, path, selector, on_change, what=what,
+            watch_timeout_seconds=self._watch_timeout, retry_delay=self._retry_delay,
+        )  # fmt: skip
+
+
+class KubernetesDiscovery(ApiDiscovery):
     """Lists then watches discovery.k8s.io/v1 EndpointSlices of each Service, relisting on 410 Gone."""
 
     def __init__(
@@ -104,72 +165,98 @@ class KubernetesDiscovery:
         watch_timeout_seconds: int = 240,
         retry_delay: float = 1.0,
     ) -> None:
-        self._access = access
-        self._namespace = namespace
+        super().__init__(access, namespace, port, watch_timeout_seconds, retry_delay)
         self._services = dict(services)
-        self._port = port
+
+    async def run(self, on_update: UpdateCallback) -> None:
+        path = f"{self._access.server}/apis/discovery.k8s.io/v1/namespaces/{self._namespace}/endpointslices"
+        async with api_session(self._access) as session:
+
+            def follower(pool: str, service: str) -> ListWatch:
+                def changed(slices: Mapping[str, Mapping[str, Any]]) -> None:
+                    on_update(pool, *endpoints_of_slices(slices.values(), self._port))
+
+                selector = f"kubernetes.io/service-name={service}"
+                return self._list_watch(session, path, selector, changed, f"EndpointSlices of {service}")
+
+            await asyncio.gather(*(follower(pool, svc).run() for pool, svc in self._services.items()))
+
+
+def api_session(access: KubeAccess) -> aiohttp.ClientSession:
+    """A session for the Kubernetes API: no total timeout, since watches stay open for minutes."""
+    connector = aiohttp.TCPConnector(ssl=access.ssl_context)
+    return aiohttp.ClientSession(
+        connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=None)
+    )
+
+
+class ListWatch:
+    """Follows one label-selected collection of the Kubernetes API: list, then watch from the list's
+    resourceVersion, relist on 410 Gone, and keep the last snapshot while the API is unreachable.
+
+    ``on_change`` gets every object currently selected, by name, after the list and after each event.
+    """
+
+    def __init__(
+        self,
+        session: aiohttp.ClientSession,
+        access: KubeAccess,
+        path: str,
+        selector: str,
+        on_change: Callable[[Mapping[str, Mapping[str, Any]]], None],
+        *,
+        what: str,
+        watch_timeout_seconds: int = 240,
+        retry_delay: float = 1.0,
+    ) -> None:
+        self._session = session
+        self._access = access
+        self._path = path
+        self._selector = selector
+        self._on_change = on_change
+        self._what = what
         self._watch_timeout = watch_timeout_seconds
         self._retry_delay = retry_delay
 
-    async def run(self, on_update: UpdateCallback) -> None:
-        connector = aiohttp.TCPConnector(ssl=self._access.ssl_context)
-        async with aiohttp.ClientSession(
-            connector=connector, timeout=aiohttp.ClientTimeout(total=None, connect=10.0, sock_read=None)
-        ) as session:
-            await asyncio.gather(*(self._follow(session, pool, svc, on_update) for pool, svc in self._services.items()))
-
-    def _path(self) -> str:
-        return f"{self._access.server}/apis/discovery.k8s.io/v1/namespaces/{self._namespace}/endpointslices"
-
-    async def _follow(self, session: aiohttp.ClientSession, pool: str, service: str, on_update: UpdateCallback) -> None:
-        selector = f"kubernetes.io/service-name={service}"
+    async def run(self) -> None:
         while True:
             try:
-                slices: dict[str, Mapping[str, Any]] = {}
-                async with session.get(
-                    self._path(), params={"labelSelector": selector}, headers=self._access.headers()
+                objects: dict[str, Mapping[str, Any]] = {}
+                async with self._session.get(
+                    self._path, params={"labelSelector": self._selector}, headers=self._access.headers()
                 ) as response:
                     if response.status != 200:
-                        raise RuntimeError(
-                            f"list EndpointSlices: HTTP {response.status}: {(await response.text())[:200]}"
-                        )
+                        text = (await response.text())[:200]
+                        raise RuntimeError(f"list {self._what}: HTTP {response.status}: {text}")
                     listing = orjson.loads(await response.read())
                 for item in listing.get("items") or []:
-                    slices[item["metadata"]["name"]] = item
+                    objects[item["metadata"]["name"]] = item
                 version = listing.get("metadata", {}).get("resourceVersion", "")
-                on_update(pool, *endpoints_of_slices(slices.values(), self._port))
+                self._on_change(objects)
                 while True:
-                    version = await self._watch(session, pool, selector, version, slices, on_update)
+                    version = await self._watch(version, objects)
             except asyncio.CancelledError:
                 raise
             except _Gone:
-                log.info("EndpointSlice watch of %s expired; relisting", service)
+                log.info("watch of %s expired; relisting", self._what)
                 continue
             except Exception as error:  # API down, RBAC missing, network: keep the last snapshot, retry
-                log.warning("EndpointSlice discovery of %s failed: %s; retrying", service, error)
+                log.warning("discovery of %s failed: %s; retrying", self._what, error)
                 await asyncio.sleep(self._retry_delay)
 
-    async def _watch(
-        self,
-        session: aiohttp.ClientSession,
-        pool: str,
-        selector: str,
-        version: str,
-        slices: dict[str, Mapping[str, Any]],
-        on_update: UpdateCallback,
-    ) -> str:
+    async def _watch(self, version: str, objects: dict[str, Mapping[str, Any]]) -> str:
         params = {
-            "labelSelector": selector,
+            "labelSelector": self._selector,
             "watch": "1",
             "allowWatchBookmarks": "true",
             "resourceVersion": version,
             "timeoutSeconds": str(self._watch_timeout),
         }
-        async with session.get(self._path(), params=params, headers=self._access.headers()) as response:
+        async with self._session.get(self._path, params=params, headers=self._access.headers()) as response:
             if response.status == 410:
                 raise _Gone
             if response.status != 200:
-                raise RuntimeError(f"watch EndpointSlices: HTTP {response.status}")
+                raise RuntimeError(f"watch {self._what}: HTTP {response.status}")
             async for line in response.content:
                 if not line.strip():
                     continue
@@ -185,10 +272,10 @@ class KubernetesDiscovery:
                     continue
                 name = obj["metadata"]["name"]
                 if kind == "DELETED":
-                    slices.pop(name, None)
+                    objects.pop(name, None)
                 else:
-                    slices[name] = obj
-                on_update(pool, *endpoints_of_slices(slices.values(), self._port))
+                    objects[name] = obj
+                self._on_change(objects)
         return version
 
 

@@ -7,6 +7,10 @@ prefill KV that could expire), then run the prefill leg (``max_tokens=1``, no st
 breaks disaggregation (no prefill worker, a failed prefill, no usable KV parameters, a decode that
 cannot find the KV) turns the request into an aggregated one on decode, counted by reason; only
 when decode itself cannot serve does the client get an error.
+
+KV generations (pairing.py): the decode worker's generation fixes the request's; prefill is chosen
+among healthy prefill workers of that generation only, and KV of one generation is never sent to
+a decode worker of another (a retried decode stays in the generation or drops the KV).
 """
 
 from __future__ import annotations
@@ -14,14 +18,15 @@ from __future__ import annotations
 import enum
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
 from aiohttp import web
 
-from splitserve.router import errors
-from splitserve.router.config import RouterConfig
+from splitserve.router import errors, pairing
+from splitserve.router.config import GenerationPairing, RouterConfig
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import RoutingRequest
 from splitserve.router.pool import Worker, WorkerPool
@@ -41,6 +46,8 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 # Phrases of decode errors that mean "the transferred KV is not there": retry aggregated.
 KV_ERROR_MARKERS = (b"kv_transfer", b"kv transfer", b"kv cache transfer", b"remote kv", b"kv blocks", b"kv_load")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+# The generation of the decode worker that produced an answer (left out when unknown).
+GENERATION_HEADER = "X-Splitserve-Generation"
 
 
 class Handling(enum.StrEnum):
@@ -81,6 +88,10 @@ class RequestContext:
     # For the per-request log record.
     prefill_url: str | None = None
     decode_url: str | None = None
+    # The KV generation of the decode worker serving the request, and of the prefill worker whose
+    # leg ran (None when none did).
+    generation: str = ""
+    prefill_generation: str | None = None
     fallback_reason: str | None = None
     ttft: float | None = None
     completion_tokens: int | None = None
@@ -133,27 +144,46 @@ class Flow:
         self._prefill = prefill
         self._decode = decode
         self._has_prefill_pool = config.has_prefill_source
+        self._strict = config.generation_pairing is GenerationPairing.STRICT
 
     # ---- the whole request ------------------------------------------------------------------
 
+    def _shift(self) -> pairing.Generations:
+        return pairing.decode_generations(self._prefill.healthy_generations, self._decode.healthy_generations)
+
+    def _wants_prefill(self, ctx: RequestContext) -> bool:
+        return self._has_prefill_pool and ctx.routing.prompt_tokens >= self._config.disagg_threshold_tokens
+
     async def serve(self, ctx: RequestContext, http_request: web.Request) -> web.StreamResponse:
         deadline = time.monotonic() + self._config.queue_timeout
+        # Traffic shift: a request that will be split goes to a generation that has prefill workers
+        # (asked again whenever the request waited, as the pools change under it).
+        shift = self._shift if self._strict and self._wants_prefill(ctx) else None
         try:
-            decode: Worker | None = await self._decode.acquire(ctx.routing, deadline)
+            decode: Worker | None = await self._decode.acquire(ctx.routing, deadline, generations=shift)
         except errors.RouterError as error:
             ctx.outcome = Outcome.REJECTED if error.status == 429 else Outcome.NO_CAPACITY
             raise
+        assert decode is not None
+        ctx.generation = decode.generation
         tried: set[str] = set()
         try:
             try:
-                kv_params = await self._maybe_prefill(ctx)
+                kv_params = await self._maybe_prefill(ctx, decode.generation)
             except _PassThrough as answer:
-                return _passthrough_response(answer.status, answer.body, ctx.request_id)
+                return _passthrough_response(answer.status, answer.body, ctx.request_id, ctx.generation)
             retries = 0
             while True:
                 assert decode is not None
                 tried.add(decode.url)
                 ctx.decode_url = decode.url
+                ctx.generation = decode.generation
+                if kv_params is not None and ctx.prefill_generation != decode.generation:
+                    if self._strict:
+                        # A retry landed on another generation: its KV would be read as if it fitted.
+                        kv_params = self._fallback(ctx, "decode_other_generation")
+                    else:
+                        self._metrics.cross_generation_pairs.inc()
                 try:
                     return await self._decode_attempt(ctx, decode, kv_params, http_request)
                 except _KvMissing:
@@ -172,9 +202,14 @@ class Flow:
                     self._metrics.retries.labels("decode").inc()
                     self._decode.release(decode)
                     decode = None
+                    # KV in hand: retry on another decode worker of its generation while there is one;
+                    # otherwise anywhere, and the KV is dropped if that worker is of another generation.
+                    keep: Callable[[], pairing.Generations] | None = None
+                    if kv_params is not None and self._strict and ctx.prefill_generation is not None:
+                        keep = self._retry_generations(ctx.prefill_generation, frozenset(tried))
                     try:
                         decode = await self._decode.acquire(
-                            ctx.routing, time.monotonic() + self._config.queue_timeout, frozenset(tried)
+                            ctx.routing, time.monotonic() + self._config.queue_timeout, frozenset(tried), keep
                         )
                     except errors.RouterError:
                         ctx.outcome = Outcome.NO_CAPACITY
@@ -186,37 +221,43 @@ class Flow:
             if decode is not None:
                 self._decode.release(decode)
 
+    def _retry_generations(self, generation: str, tried: frozenset[str]) -> Callable[[], pairing.Generations]:
+        same = frozenset((generation,))
+        return lambda: same if self._decode.has_healthy_except(tried, same) else None
+
     # ---- prefill ----------------------------------------------------------------------------
 
-    async def _maybe_prefill(self, ctx: RequestContext) -> dict[str, Any] | None:
-        """kv_transfer_params for decode, or None to serve aggregated (ctx.handling says why)."""
-        if not self._has_prefill_pool:
+    async def _maybe_prefill(self, ctx: RequestContext, generation: str) -> dict[str, Any] | None:
+        """kv_transfer_params for decode, or None to serve aggregated (ctx.handling says why).
+        ``generation`` is the decode worker's: prefill runs on a worker of the same one."""
+        if not self._wants_prefill(ctx):
             ctx.handling = Handling.AGGREGATED
             return None
-        if ctx.routing.prompt_tokens < self._config.disagg_threshold_tokens:
-            ctx.handling = Handling.AGGREGATED
-            return None
-        if not self._prefill.has_healthy:
-            return self._fallback(ctx, "prefill_unavailable")
+        same = pairing.prefill_generations(generation, self._config.generation_pairing)
         tried: set[str] = set()
         attempts = min(1 + self._config.max_retries, 2)
         for attempt in range(attempts):
             deadline = time.monotonic() + self._config.queue_timeout
             if not self._prefill.has_healthy:
                 return self._fallback(ctx, "prefill_unavailable")
+            if not self._prefill.has_healthy_in(same):
+                return self._fallback(ctx, "no_prefill_in_generation")
             try:
-                worker = await self._prefill.acquire(ctx.routing, deadline, frozenset(tried))
+                worker = await self._prefill.acquire(ctx.routing, deadline, frozenset(tried), same)
             except errors.RouterError:
-                return self._fallback(ctx, "prefill_unavailable")
+                gone = self._prefill.has_healthy and not self._prefill.has_healthy_in(same)
+                return self._fallback(ctx, "no_prefill_in_generation" if gone else "prefill_unavailable")
             tried.add(worker.url)
             ctx.prefill_url = worker.url
+            ctx.prefill_generation = worker.generation
             try:
                 params = await self._prefill_attempt(ctx, worker)
             except _Retriable as failure:
                 log.info("prefill on %s failed (%s) for %s", worker.url, failure, ctx.request_id)
                 self._prefill.record_failure(worker)
-                # Another prefill worker may work; the same one again would only delay the fallback.
-                if attempt + 1 < attempts and self._prefill.has_healthy_except(tried):
+                # Another prefill worker (of the generation) may work; the same one again would only
+                # delay the fallback.
+                if attempt + 1 < attempts and self._prefill.has_healthy_except(tried, same):
                     self._metrics.retries.labels("prefill").inc()
                     continue
                 return self._fallback(ctx, "prefill_failed")
@@ -282,19 +323,16 @@ class Flow:
                         raise _Retriable(f"HTTP {r.status}: {body[:200]!r}")
                     ctx.outcome = Outcome.CLIENT_ERROR
                     self._decode.record_success(worker)
-                    return _passthrough_response(r.status, body, ctx.request_id)
+                    return _passthrough_response(r.status, body, ctx.request_id, worker.generation)
                 if not ctx.stream:
                     body = await r.read()
                     self._decode.record_success(worker)
                     self._observe_whole(ctx, body, handoff_start, kv_params is not None)
-                    return web.Response(
-                        status=r.status,
-                        body=body,
-                        headers={
-                            "Content-Type": r.header("Content-Type", "application/json"),
-                            "X-Request-Id": ctx.request_id,
-                        },
-                    )
+                    content_type = r.header("Content-Type", "application/json")
+                    headers = {"Content-Type": content_type, "X-Request-Id": ctx.request_id}
+                    if worker.generation:
+                        headers[GENERATION_HEADER] = worker.generation
+                    return web.Response(status=r.status, body=body, headers=headers)
                 first = await r.readany()
                 if not first:
                     raise _Retriable("decode closed the stream before its first byte")
@@ -331,9 +369,13 @@ class Flow:
         now = time.monotonic()
         ctx.ttft = now - ctx.started
         metrics.ttft.observe(ctx.ttft)
+        metrics.generation_ttft.labels(worker.generation).observe(ctx.ttft)
         if disaggregated:
             metrics.kv_handoff.observe(now - handoff_start)
-        response = web.StreamResponse(status=upstream.status, headers={**_SSE_HEADERS, "X-Request-Id": ctx.request_id})
+        headers = {**_SSE_HEADERS, "X-Request-Id": ctx.request_id}
+        if worker.generation:
+            headers[GENERATION_HEADER] = worker.generation
+        response = web.StreamResponse(status=upstream.status, headers=headers)
         try:
             await response.prepare(http_request)
         except ConnectionResetError:
@@ -396,7 +438,8 @@ class _PassThrough(Exception):
         self.body = body
 
 
-def _passthrough_response(status: int, body: bytes, request_id: str) -> web.Response:
-    return web.Response(
-        status=status, body=body, headers={"Content-Type": "application/json", "X-Request-Id": request_id}
-    )
+def _passthrough_response(status: int, body: bytes, request_id: str, generation: str) -> web.Response:
+    headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
+    if generation:
+        headers[GENERATION_HEADER] = generation
+    return web.Response(status=status, body=body, headers=headers)

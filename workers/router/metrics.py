@@ -143,6 +143,25 @@ class RouterMetrics:
             p + "requests", "Finished requests by outcome and serving mode", ["outcome", "mode"], registry=r
         )
         self.ttft = Histogram(p + "ttft_seconds", "Time to first streamed byte", buckets=_LATENCY_BUCKETS, registry=r)
+        # By KV generation (the decode worker's): what a rollout's analysis compares, old against new.
+        self.generation_requests = Counter(
+            p + "generation_requests",
+            "Finished requests by the generation of the decode worker that served them, and outcome",
+            ["generation", "outcome"],
+            registry=r,
+        )
+        self.generation_ttft = Histogram(
+            p + "generation_ttft_seconds",
+            "Time to first streamed byte, by the decode worker's generation",
+            ["generation"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.cross_generation_pairs = Counter(
+            p + "cross_generation_pairs",
+            "Decode requests sent KV from a prefill worker of another generation (0 unless pairing is off)",
+            registry=r,
+        )
         self.itl = Histogram(p + "itl_seconds", "Time between streamed events", buckets=_ITL_BUCKETS, registry=r)
         self.e2e = Histogram(p + "e2e_seconds", "Request latency, end to end", buckets=_LATENCY_BUCKETS, registry=r)
         self.kv_handoff = Histogram(

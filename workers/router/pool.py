@@ -5,6 +5,10 @@ Requests take a *slot* on a worker (``acquire``) for as long as they use it and 
 is routable a request waits in the pool's FIFO, bounded by the shared :class:`AdmissionBudget`
 (429 beyond it) and by a deadline (503 after it): this is both backpressure and scale-to-zero
 buffering, and the waiting count is the queue depth the autoscaler reads.
+
+Each worker has a KV *generation* (from discovery; "" when unknown). ``acquire`` can be limited to
+some generations, so the flow pairs prefill and decode of one generation while the routing policy
+still only sees candidates (pairing.py says which generations).
 """
 
 from __future__ import annotations
@@ -14,7 +18,8 @@ import collections
 import enum
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Set as AbstractSet
 
 import aiohttp
 
@@ -22,10 +27,19 @@ from splitserve.router import errors
 from splitserve.router.kv_feed import KvEventFeed
 from splitserve.router.kv_index import KvBlockIndex
 from splitserve.router.metrics import RouterMetrics
+from splitserve.router.pairing import Generations
 from splitserve.router.policies import KvAware, PrecisePrefix, PrefixAware, RoutingRequest, WorkerChooser
 from splitserve.router.upstream import HttpPool
 
 log = logging.getLogger(__name__)
+
+
+def _accepts(generations: Generations, generation: str) -> bool:
+    return generations is None or generation in generations
+
+
+def _overlap(a: Generations, b: Generations) -> bool:
+    return a is None or b is None or not a.isdisjoint(b)
 
 
 class WorkerState(enum.StrEnum):
@@ -53,9 +67,13 @@ class AdmissionBudget:
 class Worker:
     """One upstream worker: its connection pool and what the router knows about it."""
 
-    def __init__(self, url: str, pool: str, session: aiohttp.ClientSession, http: HttpPool) -> None:
+    def __init__(
+        self, url: str, pool: str, session: aiohttp.ClientSession, http: HttpPool, generation: str = ""
+    ) -> None:
         self.url = url.rstrip("/")
         self.pool = pool
+        # The KV generation (model revision + engine image) it serves; "" when discovery cannot tell.
+        self.generation = generation
         self.session = session  # probes and polls
         self.http = http  # the request path
         self.state = WorkerState.HEALTHY
@@ -72,7 +90,12 @@ class Worker:
         return self.url
 
     def __repr__(self) -> str:
-        return f"Worker({self.url!r}, {self.state}, inflight={self.inflight})"
+        return f"Worker({self.url!r}, {self.state}, generation={self.generation!r}, inflight={self.inflight})"
+
+    def describe(self, state: str | None = None) -> dict[str, object]:
+        """The worker as GET /splitserve/workers lists it."""
+        return {"url": self.url, "generation": self.generation, "state": state or str(self.state),
+                "inflight": self.inflight}  # fmt: skip
 
 
 def parse_engine_load(text: str) -> tuple[float | None, float | None]:
@@ -123,7 +146,9 @@ class WorkerPool:
         self._poll_interval = metrics_poll_interval
         self._workers: dict[str, Worker] = {}
         self._routable: list[Worker] = []
-        self._waiters: collections.deque[asyncio.Future[None]] = collections.deque()
+        self._healthy_generations: frozenset[str] = frozenset()
+        # Requests waiting for a slot, in order, each with the generations it may take.
+        self._waiters: collections.deque[tuple[asyncio.Future[None], Generations]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
         self.inflight = 0
         # Removed from discovery but still serving requests: reported until their last one ends.
@@ -148,8 +173,26 @@ class WorkerPool:
     def has_healthy(self) -> bool:
         return bool(self._routable)
 
-    def has_healthy_except(self, tried: set[str]) -> bool:
-        return any(w.state is WorkerState.HEALTHY and w.url not in tried for w in self._workers.values())
+    def has_healthy_except(self, tried: AbstractSet[str], generations: Generations = None) -> bool:
+        return any(
+            w.state is WorkerState.HEALTHY and w.url not in tried and _accepts(generations, w.generation)
+            for w in self._workers.values()
+        )
+
+    @property
+    def healthy_generations(self) -> frozenset[str]:
+        """The generations with at least one healthy worker (kept by _changed())."""
+        return self._healthy_generations
+
+    def has_healthy_in(self, generations: Generations) -> bool:
+        if generations is None:
+            return bool(self._routable)
+        return not self._healthy_generations.isdisjoint(generations)
+
+    def describe(self) -> list[dict[str, object]]:
+        """Every worker, departing ones (removed from discovery, still serving) with state "departing"."""
+        departing = sorted(self.departing, key=lambda w: w.url)
+        return [w.describe() for w in self.workers] + [w.describe("departing") for w in departing]
 
     @property
     def queue_depth(self) -> int:
@@ -162,17 +205,26 @@ class WorkerPool:
             return {}
         return {w.url: (feed.index.blocks_held(w.url), feed.last_seq.get(w.url, -1)) for w in self._workers.values()}
 
-    def set_endpoints(self, ready: Iterable[str], terminating: Iterable[str] = ()) -> None:
+    def set_endpoints(
+        self, ready: Iterable[str], terminating: Iterable[str] = (), generations: Mapping[str, str] | None = None
+    ) -> None:
         """Apply a discovery snapshot: new URLs join, terminating ones get no new requests, missing
-        ones leave (their connection pool closes once their last request finishes)."""
+        ones leave (their connection pool closes once their last request finishes). ``generations``
+        maps URLs to KV generations; a URL it leaves out is of generation "" (unknown)."""
+        known = {u.rstrip("/"): g for u, g in (generations or {}).items()}
         ready_set = {u.rstrip("/") for u in ready}
         terminating_set = {u.rstrip("/") for u in terminating} - ready_set
         for url in ready_set | terminating_set:
+            generation = known.get(url, "")
             worker = self._workers.get(url)
+            if worker is not None and worker.generation != generation:
+                # Another worker on the same address (a Pod IP reused): the old one departs.
+                self._remove(url)
+                worker = None
             if worker is None:
-                worker = Worker(url, self.name, self._new_session(), HttpPool(url, self._connect_timeout))
+                worker = Worker(url, self.name, self._new_session(), HttpPool(url, self._connect_timeout), generation)
                 self._workers[url] = worker
-                log.info("%s worker added: %s", self.name, url)
+                log.info("%s worker added: %s (generation %r)", self.name, url, generation)
                 if self.kv_feed is not None:
                     self.kv_feed.watch(url)
             if url in terminating_set:
@@ -180,18 +232,21 @@ class WorkerPool:
             elif worker.state is WorkerState.TERMINATING:
                 worker.state = WorkerState.HEALTHY
         for url in [u for u in self._workers if u not in ready_set | terminating_set]:
-            worker = self._workers.pop(url)
-            worker.removed = True
-            log.info("%s worker removed: %s", self.name, url)
-            if isinstance(self.policy, PrefixAware):
-                self.policy.forget_worker(url)
-            if self.kv_feed is not None:
-                self.kv_feed.unwatch(url)
-            if worker.inflight == 0:
-                self._close_later(worker)
-            else:
-                self.departing.add(worker)
+            self._remove(url)
         self._changed()
+
+    def _remove(self, url: str) -> None:
+        worker = self._workers.pop(url)
+        worker.removed = True
+        log.info("%s worker removed: %s", self.name, url)
+        if isinstance(self.policy, PrefixAware):
+            self.policy.forget_worker(url)
+        if self.kv_feed is not None:
+            self.kv_feed.unwatch(url)
+        if worker.inflight == 0:
+            self._close_later(worker)
+        else:
+            self.departing.add(worker)
 
     def _new_session(self) -> aiohttp.ClientSession:
         # Idle connections are dropped after 4 s, before uvicorn (vLLM) closes them at its default 5 s:
@@ -214,13 +269,18 @@ class WorkerPool:
         self._routable = [
             w for w in sorted(self._workers.values(), key=lambda w: w.url) if w.state is WorkerState.HEALTHY
         ]
-        self._wake(all_waiters=True)
+        self._healthy_generations = frozenset(w.generation for w in self._routable)
+        self._wake_all()
 
     # ---- slots ------------------------------------------------------------------------------
 
-    def _try_acquire(self, request: RoutingRequest, exclude: frozenset[str]) -> Worker | None:
+    def _try_acquire(
+        self, request: RoutingRequest, exclude: frozenset[str], generations: Generations = None
+    ) -> Worker | None:
         cap = self._cap
-        candidates = [w for w in self._routable if cap <= 0 or w.inflight < cap]
+        candidates = [
+            w for w in self._routable if (cap <= 0 or w.inflight < cap) and _accepts(generations, w.generation)
+        ]
         if not candidates:
             return None
         if exclude:
@@ -233,22 +293,40 @@ class WorkerPool:
         self.inflight += 1
         return worker
 
-    async def acquire(self, request: RoutingRequest, deadline: float, exclude: frozenset[str] = frozenset()) -> Worker:
-        """A slot on a worker chosen by the policy, waiting until ``deadline`` (monotonic time)."""
-        if not self._waiters:
-            worker = self._try_acquire(request, exclude)
+    async def acquire(
+        self,
+        request: RoutingRequest,
+        deadline: float,
+        exclude: frozenset[str] = frozenset(),
+        generations: Generations | Callable[[], Generations] = None,
+    ) -> Worker:
+        """A slot on a worker chosen by the policy among those of ``generations`` (None: any), waiting
+        until ``deadline`` (monotonic time).
+
+        ``generations`` may be a function, asked again after every wake-up: which generations fit can
+        change while a request waits (a rollout moves on). A request limited to generations of which
+        no worker is healthy any more, while workers of others are, stops waiting at once (503
+        no_capacity): nothing it may take is coming back soon, and the caller can do better.
+        """
+        wanted = generations() if callable(generations) else generations
+        # Waiters that could take the same workers go first; those limited to other generations do not
+        # hold this request back.
+        if not any(_overlap(g, wanted) for _, g in self._waiters):
+            worker = self._try_acquire(request, exclude, wanted)
             if worker is not None:
                 return worker
+        self._give_up_if_gone(wanted, deadline)
         self._budget.enter()
         loop = asyncio.get_running_loop()
         try:
             first = True
             while True:
                 future: asyncio.Future[None] = loop.create_future()
+                entry = (future, wanted)
                 if first:
-                    self._waiters.append(future)
+                    self._waiters.append(entry)
                 else:
-                    self._waiters.appendleft(future)  # keep its place after losing a race
+                    self._waiters.appendleft(entry)  # keep its place after losing a race
                 first = False
                 remaining = deadline - time.monotonic()
                 try:
@@ -260,13 +338,19 @@ class WorkerPool:
                 finally:
                     if not future.done():
                         future.cancel()
-                    if future in self._waiters:
-                        self._waiters.remove(future)
-                worker = self._try_acquire(request, exclude)
+                    if entry in self._waiters:
+                        self._waiters.remove(entry)
+                wanted = generations() if callable(generations) else generations
+                worker = self._try_acquire(request, exclude, wanted)
                 if worker is not None:
                     return worker
+                self._give_up_if_gone(wanted, deadline)
         finally:
             self._budget.leave()
+
+    def _give_up_if_gone(self, wanted: Generations, deadline: float) -> None:
+        if wanted is not None and self._routable and self._healthy_generations.isdisjoint(wanted):
+            raise errors.no_capacity(self.name, max(0.0, deadline - time.monotonic()))
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1
@@ -274,15 +358,24 @@ class WorkerPool:
         if worker.removed and worker.inflight == 0:
             self.departing.discard(worker)
             self._close_later(worker)
-        self._wake(all_waiters=False)
+        self._wake_one(worker.generation)
 
-    def _wake(self, all_waiters: bool) -> None:
+    def _wake_all(self) -> None:
         while self._waiters:
-            future = self._waiters.popleft()
+            future, _ = self._waiters.popleft()
             if not future.done():
                 future.set_result(None)
-                if not all_waiters:
-                    return
+
+    def _wake_one(self, generation: str) -> None:
+        """Wake the first waiter that may take a slot freed on a worker of ``generation``."""
+        for entry in self._waiters:
+            future, generations = entry
+            if future.done():
+                continue
+            if _accepts(generations, generation):
+                self._waiters.remove(entry)
+                future.set_result(None)
+                return
 
     # ---- health -----------------------------------------------------------------------------
 

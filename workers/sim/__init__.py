@@ -20,10 +20,11 @@ Python
     ``latency: LatencyModel``, ``limits: EngineLimits``, ``time_scale``, ``kv_hold_timeout_s``,
     ``side_channel_port``, ``advertise_host``, ``engine_id``, ``faults: FaultConfig``, ``seed``,
     ``drain_timeout_s``, ``kv_load_failure_policy`` (fail | recompute), ``kv_events:
-    KVEventsConfig | None`` (vLLM's --kv-events-config, see "KV-cache events"). ``PROFILES`` (in
+    KVEventsConfig | None`` (vLLM's --kv-events-config, see "KV-cache events"), ``generation`` (the
+    KV generation it stands for, "" unknown: see "KV generations"). ``PROFILES`` (in
     ``config.py``) is the calibration table of profiles ``cpu-tiny`` and ``gpu-h100-8b``;
     ``SimConfig.from_profile(name, **overrides)`` starts from one.
-    ``tokens.generate_text(tokenize(prompt), n)`` gives the exact text a sim answers for a prompt.
+    ``tokens.generate_text(tokenize(prompt), n, generation)`` gives the exact text a sim answers for a prompt.
 
 CLI
     splitserve sim-worker --role prefill|decode|aggregated --port N [--host H] [--model NAME]
@@ -34,7 +35,8 @@ CLI
         [--kv-hold-timeout-s S] [--side-channel-port P] [--advertise-host H] [--engine-id ID]
         [--kv-load-failure-policy fail|recompute] [--kv-events-config JSON]
         [--fail-rate P] [--fail-after-tokens N] [--fail-status CODE] [--seed N] [--drain-timeout-s S]
-    Prints one JSON line per worker when it listens: {"event": "ready", "role", "url", "engine_id"}.
+        [--generation G]
+    Prints one JSON line per worker when it listens: {"event": "ready", "role", "url", "engine_id", "generation"}.
     SIGTERM/SIGINT: drain (new requests get 503, /health 503), then exit 0 (1 if the drain timed out).
 
 HTTP endpoints
@@ -45,7 +47,7 @@ HTTP endpoints
         plus splitserve_sim_steps_total and splitserve_sim_step_lag_seconds_total, the time steps
         ended later than modelled because the process was short of CPU: check it in benchmarks),
     POST /tokenize {"prompt"| "messages"} -> {"count", "max_model_len", "tokens"}.
-    GET /version -> {"version"}, GET /load -> {"server_load": requests in flight}.
+    GET /version -> {"version", "generation"}, GET /load -> {"server_load": requests in flight}.
     POST /admin/faults {"status": 500|null, "fail_rate": p, "fail_after_tokens": n|null, "clear": true}
         changes injected faults live; GET /admin/faults shows them.
     POST /internal/kv/pull  the KV side channel (prefill side), see below.
@@ -65,13 +67,22 @@ aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
     2. Decode request: the same prompt with those params. Once its batch has a free slot (fewer
        than ``max_num_seqs`` running: like vLLM it starts no KV load while the batch is full, so a
        saturated decode leaves the KV held on prefill), the decode worker reserves blocks, pulls
-       the KV with ``POST http://remote_host:remote_port/internal/kv/pull`` {"engine_id", "block_ids",
-       "request_id", "prompt_digest", "transfer_seconds"} (the prefill side waits out the transfer time,
+       the KV with ``POST http://remote_host:remote_port/internal/kv/pull`` {"engine_id", "generation",
+       "block_ids", "request_id", "prompt_digest", "transfer_seconds"} (the prefill side waits out the transfer time,
        then frees the blocks), then decodes. Its text equals an aggregated worker's for that prompt.
        Unknown engine, unknown/expired blocks, another prompt or an unreachable peer: HTTP 500 whose
        message starts "KV transfer failed", and ``vllm:nixl_num_failed_transfers_total`` rises
        (with ``kv_load_failure_policy=recompute`` the decode worker prefills locally instead and
-       answers normally; the counter still rises). Malformed params: HTTP 400.
+       answers normally; the counter still rises). Malformed params: HTTP 400. The prefill side counts
+       each pull it refuses in ``splitserve_sim_kv_pulls_refused_total{reason}`` (generation,
+       unknown_engine, unknown_blocks, other_request, other_prompt).
+
+KV generations. ``--generation G`` says which model revision + engine image the worker stands for.
+Its output text is seeded by it (tokens.generation_seed; "" leaves the text as without it), and a
+prefill worker refuses a pull from a decode worker of another generation before looking at any
+block, as NIXL's handshake refuses an incompatible peer: the decode answers HTTP 500 "KV transfer
+failed ... incompatible peer" (what the router treats as a failed transfer), the held KV stays
+until a matching pull or its expiry.
 
 KV-cache events (vLLM's ZmqEventPublisher, byte for byte). ``--kv-events-config '{"enable_kv_cache_events":
 true, "publisher": "zmq", "endpoint": "tcp://*:5557", "replay_endpoint": null, "topic": "kv"}'`` (vLLM's

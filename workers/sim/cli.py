@@ -32,6 +32,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--count", type=int, default=1, help="run N workers in this process on port, port+1, ...")
     parser.add_argument("--model", default="sim-model", help="served model name")
     parser.add_argument("--tokenizer", default=None, help="the model's tokenizer dir: tokenize as vLLM would")
+    parser.add_argument(
+        "--generation",
+        default="",
+        help="KV generation this engine stands for (the splitserve.io/generation label): seeds its output text; "
+        "KV pulls between engines of different generations are refused",
+    )
     parser.add_argument("--profile", choices=sorted(PROFILES), default="cpu-tiny")
     parser.add_argument("--time-scale", type=float, default=1.0, help="multiply all simulated durations")
     latency = parser.add_argument_group("latency model (defaults from --profile)")
@@ -105,11 +111,18 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_load_failure_policy=KVLoadFailurePolicy(args.kv_load_failure_policy),
         kv_events=args.kv_events_config,
         tokenizer=args.tokenizer,
+        generation=args.generation,
     )
 
 
 def _announce(worker: SimWorker) -> None:
-    ready = {"event": "ready", "role": worker.role.value, "url": worker.url, "engine_id": worker.engine_id}
+    ready = {
+        "event": "ready",
+        "role": worker.role.value,
+        "url": worker.url,
+        "engine_id": worker.engine_id,
+        "generation": worker.config.generation,
+    }
     print(json.dumps(ready), flush=True)
 
 

@@ -239,6 +239,10 @@ class SimConfig:
     """vLLM's --kv-events-config: publish KV-cache events over ZMQ; None (or disabled) publishes nothing."""
     tokenizer: str | None = None
     """The model's tokenizer directory (tokenizer.json, chat template); None uses the stand-in tokenizer."""
+    generation: str = ""
+    """The KV generation (model revision + engine image) this engine stands for; "" is unknown. It seeds
+    the generated text, and a prefill engine refuses KV pulls from a decode engine of another one (as
+    vLLM's NIXL handshake refuses an incompatible peer)."""
 
     def __post_init__(self) -> None:
         # Accept plain strings ("decode") from callers that build configs from text.

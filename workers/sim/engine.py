@@ -31,7 +31,12 @@ MAX_CATCH_UP_S = 0.05
 
 
 class KVTransferError(Exception):
-    """A KV pull failed: unknown engine, unknown or expired blocks, prompt mismatch, unreachable peer."""
+    """A KV pull failed: other generation, unknown engine, unknown or expired blocks, prompt mismatch,
+    unreachable peer. ``reason`` labels the prefill side's refusal counter."""
+
+    def __init__(self, message: str, reason: str = "other") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 @dataclass(frozen=True)
@@ -69,10 +74,13 @@ class PullRequest:
     request_id: str | None
     prompt_digest: str
     transfer_seconds: float
+    generation: str = ""
+    """The pulling (decode) engine's KV generation."""
 
     def to_json(self) -> dict[str, object]:
         return {
             "engine_id": self.engine_id,
+            "generation": self.generation,
             "block_ids": self.block_ids,
             "request_id": self.request_id,
             "prompt_digest": self.prompt_digest,
@@ -209,16 +217,16 @@ class SimEngine:
     # --- prefill side: KV held for remote decode ---------------------------------------------
 
     async def serve_pull(self, pull: PullRequest) -> int:
-        """Hand held KV to a decode engine: wait out the transfer, then free it. Returns prompt tokens."""
-        if pull.engine_id != self.engine_id:
-            raise KVTransferError(f"unknown engine id {pull.engine_id!r} (this engine is {self.engine_id!r})")
-        held = self._held.get(tuple(pull.block_ids))
-        if held is None:
-            raise KVTransferError(f"unknown or expired block ids {pull.block_ids[:8]} on engine {self.engine_id}")
-        if pull.request_id is not None and pull.request_id != held.request_id:
-            raise KVTransferError(f"block ids belong to request {held.request_id}, not {pull.request_id}")
-        if pull.prompt_digest != held.prompt_digest:
-            raise KVTransferError("KV blocks were computed for a different prompt")
+        """Hand held KV to a decode engine: wait out the transfer, then free it. Returns prompt tokens.
+
+        Refusals raise KVTransferError and leave the KV held (a matching pull may still come, or it
+        expires); each is counted in splitserve_sim_kv_pulls_refused_total by reason.
+        """
+        try:
+            held = self._check_pull(pull)
+        except KVTransferError as error:
+            self.metrics.kv_pulls_refused(error.reason).inc()
+            raise
         del self._held[tuple(pull.block_ids)]
         if held.expiry is not None:
             held.expiry.cancel()
@@ -228,6 +236,32 @@ class SimEngine:
             self.scheduler.pool.free(held.block_ids)
             self._wake.set()
         return len(held.block_ids)
+
+    def _check_pull(self, pull: PullRequest) -> _HeldKV:
+        # The generation first, as NIXL's handshake compares the peers' metadata before any block:
+        # KV of other weights must never be handed over, whatever the block ids say.
+        if pull.generation != self.config.generation:
+            raise KVTransferError(
+                f"incompatible peer: KV generation {pull.generation!r} cannot read KV of generation "
+                f"{self.config.generation!r} (engine {self.engine_id})",
+                "generation",
+            )
+        if pull.engine_id != self.engine_id:
+            raise KVTransferError(
+                f"unknown engine id {pull.engine_id!r} (this engine is {self.engine_id!r})", "unknown_engine"
+            )
+        held = self._held.get(tuple(pull.block_ids))
+        if held is None:
+            raise KVTransferError(
+                f"unknown or expired block ids {pull.block_ids[:8]} on engine {self.engine_id}", "unknown_blocks"
+            )
+        if pull.request_id is not None and pull.request_id != held.request_id:
+            raise KVTransferError(
+                f"block ids belong to request {held.request_id}, not {pull.request_id}", "other_request"
+            )
+        if pull.prompt_digest != held.prompt_digest:
+            raise KVTransferError("KV blocks were computed for a different prompt", "other_prompt")
+        return held
 
     def _hold(self, request: EngineRequest) -> dict[str, object]:
         seq = request.seq
@@ -275,6 +309,7 @@ class SimEngine:
             request_id=remote.request_id,
             prompt_digest=request.seq.digest().hex(),
             transfer_seconds=self.config.latency.transfer_seconds(len(remote.block_ids)) * self.config.time_scale,
+            generation=self.config.generation,
         )
         try:
             await self._puller(remote, pull)

@@ -29,6 +29,9 @@ REQUEST_LATENCY_BUCKETS = (
 
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 WAITING_REASONS = ("capacity", "deferred")
+# Why a prefill engine refuses a KV pull: a puller of another KV generation, an unknown engine id,
+# unknown or expired blocks, blocks of another request, or of another prompt.
+PULL_REFUSALS = ("generation", "unknown_engine", "unknown_blocks", "other_request", "other_prompt")
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,16 @@ class SimMetrics:
         self.nixl_failed_transfers = counter(
             "vllm:nixl_num_failed_transfers", "Number of failed NIXL KV cache transfers."
         )
+        # Not a vLLM metric: the prefill side's refusals of KV pulls (vLLM logs them), by reason.
+        refused = Counter(
+            "splitserve_sim_kv_pulls_refused",
+            "KV pulls this (prefill) engine refused, by reason.",
+            [*names, "reason"],
+            registry=registry,
+        )
+        self.kv_pulls_refused: Callable[[str], Counter] = lambda reason: refused.labels(**labels, reason=reason)
+        for reason in PULL_REFUSALS:
+            self.kv_pulls_refused(reason)  # every series from the start, at 0
         self.nixl_expired_requests = counter(
             "vllm:nixl_num_kv_expired_reqs", "Number of requests whose held KV expired before being pulled."
         )

@@ -29,7 +29,7 @@ from enum import Enum
 
 from splitserve.sim.config import EngineLimits, LatencyModel
 from splitserve.sim.kv import KVBlockPool
-from splitserve.sim.tokens import block_hash, block_hashes, output_token, prompt_digest
+from splitserve.sim.tokens import block_hash, block_hashes, generation_seed, output_token, prompt_digest
 
 
 class Phase(Enum):
@@ -51,6 +51,8 @@ class Sequence:
     """KV for the prompt comes from a remote prefill engine (decode side of P/D)."""
     remote_decode: bool = False
     """Keep the KV after finishing so a remote decode engine can pull it (prefill side of P/D)."""
+    generation: str = ""
+    """The engine's KV generation: it seeds the output tokens (tokens.generation_seed)."""
     phase: Phase = Phase.WAITING
     kv_pulled: bool = False
     block_ids: list[int] = field(default_factory=list)
@@ -64,6 +66,7 @@ class Sequence:
     awaiting_last_token: bool = False
     """The prompt's KV arrived from a remote prefill; only its last token is left to compute."""
     _digest: bytes = b""
+    _seed: bytes = b""
     _hashes: list[int] = field(default_factory=list)
 
     @property
@@ -78,6 +81,12 @@ class Sequence:
         if not self._digest:
             self._digest = prompt_digest(self.prompt_token_ids)
         return self._digest
+
+    def seed(self) -> bytes:
+        """What the output tokens are drawn from: the prompt's digest mixed with the generation."""
+        if not self._seed:
+            self._seed = generation_seed(self.digest(), self.generation)
+        return self._seed
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt then output (what the KV cache holds, in order)."""
@@ -276,7 +285,7 @@ class Scheduler:
         seq.num_cached_blocks = 0
 
     def _emit(self, seq: Sequence, result: StepResult) -> None:
-        token = output_token(seq.digest(), len(seq.output))
+        token = output_token(seq.seed(), len(seq.output))
         seq.output.append(token)
         result.tokens.append((seq, token))
         if len(seq.output) >= seq.max_tokens:

@@ -313,6 +313,7 @@ class SimWorker:
             max_tokens=parsed.max_tokens,
             remote_prefill=remote_prefill is not None,
             remote_decode=has_connector and bool(params.get("do_remote_decode")),
+            generation=self.config.generation,
         )
         return EngineRequest(seq=seq, remote_prefill=remote_prefill)
 
@@ -426,6 +427,7 @@ class SimWorker:
                 request_id=None if body.get("request_id") is None else str(body["request_id"]),
                 prompt_digest=str(body["prompt_digest"]),
                 transfer_seconds=float(body.get("transfer_seconds", 0.0)),  # type: ignore[arg-type]
+                generation=str(body.get("generation") or ""),
             )
         except RequestError as error:
             return json_error(error.status, error.message)
@@ -456,7 +458,7 @@ class SimWorker:
         return web.Response(status=503 if self.draining else 200)
 
     async def _version(self, request: web.Request) -> web.Response:
-        return web.json_response({"version": SIM_VERSION})
+        return web.json_response({"version": SIM_VERSION, "generation": self.config.generation})
 
     async def _load(self, request: web.Request) -> web.Response:
         # vLLM's --enable-server-load-tracking endpoint: requests the HTTP server is working on.

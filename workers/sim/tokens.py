@@ -3,10 +3,12 @@
 Tokenization: a prompt is split into words and single punctuation marks (regex ``\\w+|[^\\w\\s]``);
 each piece is one token whose id is ``crc32(piece) % PROMPT_VOCAB_SIZE``. So "Hello, world!" is 4 tokens.
 
-Generation: output token ``i`` of a prompt is a pure function of the prompt's token ids and ``i``
-(a BLAKE2 hash), rendered as one pseudo word with a leading space (" kalo"). Any engine given the
-same prompt produces the same text, which is what lets a decode worker that received KV from a
-prefill worker answer exactly like an aggregated worker (greedy determinism).
+Generation: output token ``i`` of a prompt is a pure function of the prompt's token ids, the
+engine's KV generation and ``i`` (a BLAKE2 hash), rendered as one pseudo word with a leading space
+(" kalo"). Any engine of one generation given the same prompt produces the same text, which is what
+lets a decode worker that received KV from a prefill worker answer exactly like an aggregated worker
+(greedy determinism); engines of another generation (other weights) answer other text, so a test
+can tell which generation answered. Generation "" (the default) leaves the prompt's digest as is.
 
 Chat prompt: ``<|role|>\\ncontent\\n`` for each message, then ``<|assistant|>\\n``.
 """
@@ -34,6 +36,13 @@ def prompt_digest(token_ids: Sequence[int]) -> bytes:
     return hashlib.blake2b(array("q", token_ids).tobytes(), digest_size=16).digest()
 
 
+def generation_seed(digest: bytes, generation: str) -> bytes:
+    """What an engine of ``generation`` seeds a prompt's output with (the digest itself for "")."""
+    if not generation:
+        return digest
+    return hashlib.blake2b(digest + b"\0" + generation.encode(), digest_size=16).digest()
+
+
 def output_token(digest: bytes, position: int) -> int:
     """The greedy token at ``position`` (0-based) of the output for the prompt with ``digest``."""
     mixed = hashlib.blake2b(digest + position.to_bytes(8, "little"), digest_size=4).digest()
@@ -44,9 +53,9 @@ def output_text(token_id: int) -> str:
     return " " + OUTPUT_WORDS[token_id % len(OUTPUT_WORDS)]
 
 
-def generate_text(token_ids: Sequence[int], num_tokens: int) -> str:
-    """The whole greedy output of ``num_tokens`` tokens; what a sim answers for this prompt."""
-    digest = prompt_digest(token_ids)
+def generate_text(token_ids: Sequence[int], num_tokens: int, generation: str = "") -> str:
+    """The whole greedy output of ``num_tokens`` tokens; what a sim of ``generation`` answers for this prompt."""
+    digest = generation_seed(prompt_digest(token_ids), generation)
     return "".join(output_text(output_token(digest, i)) for i in range(num_tokens))
 
 
