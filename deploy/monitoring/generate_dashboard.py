@@ -5,7 +5,8 @@ that the committed JSON is this script's output and that every query parses (pro
 
 Label conventions (see splitserve.autoscaling.queries): router series carry `namespace`,
 `deployment` (the InferenceDeployment) and `pool`; worker series carry `namespace`, `deployment`
-and `role` (prefill, decode, aggregated); kube-state-metrics names Deployments `<name>-<role>`.
+and `role` (prefill, decode, aggregated); kube-state-metrics names Deployments `<name>-<role>-<generation>`
+(the KV generation, 10 hex digits; `<name>-<role>` for pools an operator before generations made).
 """
 
 from __future__ import annotations
@@ -19,7 +20,7 @@ DASHBOARD_FILE = Path(__file__).with_name("grafana-dashboard.json")
 ROUTER = 'namespace=~"$namespace",deployment=~"$deployment"'
 WORKERS = 'namespace=~"$namespace",deployment=~"$deployment"'
 OPERATOR = 'deployment=~"$deployment"'
-KSM_POOLS = 'namespace=~"$namespace",deployment=~"($deployment)-(prefill|decode|aggregated)"'
+KSM_POOLS = 'namespace=~"$namespace",deployment=~"($deployment)-(prefill|decode|aggregated)(-[0-9a-f]{10})?"'
 RATE = "$__rate_interval"
 
 

@@ -19,6 +19,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "crd": ("splitserve.commands.crd", "print the InferenceDeployment CustomResourceDefinition"),
     "validate": ("splitserve.commands.validate", "check InferenceDeployment YAML offline (schema + CEL)"),
     "render": ("splitserve.commands.render", "print every manifest the operator would apply for a CR"),
+    "diff": ("splitserve.commands.diff", "say whether a spec change starts a new KV generation (offline)"),
     "worker": ("splitserve.engine.cli", "run a vLLM worker for a role (prefill, decode, aggregated)"),
     "tiny-model": ("splitserve.engine.tiny_model_cli", "build a tiny random-weight Llama model offline"),
     "sim-worker": ("splitserve.sim.cli", "run an engine simulator that speaks vLLM's HTTP API"),

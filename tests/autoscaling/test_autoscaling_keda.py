@@ -8,7 +8,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.api.generation import kv_generation
+from splitserve.api.spec import DEFAULT_WORKER_IMAGE, InferenceDeploymentSpec
 from splitserve.autoscaling.queries import query_for
 from splitserve.builders.autoscalers import autoscaler_objects, horizontal_pod_autoscaler, quantity, scaled_object
 
@@ -135,7 +136,10 @@ def by_name(triggers: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
 def test_scaled_objects_per_pool_validate_and_carry_targets() -> None:
     spec = make_spec()
     objects = autoscaler_objects(spec, "serving", "llama")
-    assert [o["spec"]["scaleTargetRef"]["name"] for o in objects] == ["llama-prefill", "llama-decode"]
+    # The worker Deployments of the spec's KV generation (`<name>-<role>-<generation>`).
+    generation = kv_generation(spec, DEFAULT_WORKER_IMAGE)
+    names = [o["spec"]["scaleTargetRef"]["name"] for o in objects]
+    assert names == [f"llama-prefill-{generation}", f"llama-decode-{generation}"]
     for obj in objects:
         jsonschema.validate(obj, SCALED_OBJECT_SCHEMA)
         assert obj["spec"]["scaleTargetRef"] == {
@@ -186,7 +190,7 @@ def test_keda_uses_the_same_promql_as_the_builtin_loop_including_overrides() -> 
 def test_aggregated_mode_has_one_object_with_both_latencies() -> None:
     spec = make_spec(mode="aggregated", backend="keda")
     (obj,) = autoscaler_objects(spec, "serving", "llama")
-    assert obj["spec"]["scaleTargetRef"]["name"] == "llama-aggregated"
+    assert obj["spec"]["scaleTargetRef"]["name"] == f"llama-aggregated-{kv_generation(spec, DEFAULT_WORKER_IMAGE)}"
     assert {"ttft-p90", "itl-p90", "running"} <= set(by_name(obj["spec"]["triggers"]))
 
 

@@ -11,8 +11,15 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from splitserve.api.spec import InferenceDeploymentSpec, RoutingPolicy
-from splitserve.api.topology import LABEL_DEPLOYMENT, Owner
+from splitserve.api.generation import generation_inputs
+from splitserve.api.spec import DEFAULT_WORKER_IMAGE, InferenceDeploymentSpec, RoutingPolicy
+from splitserve.api.topology import (
+    ANNOTATION_GENERATION_INPUTS,
+    LABEL_DEPLOYMENT,
+    LABEL_GENERATION,
+    LABEL_ROLE,
+    Owner,
+)
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.target import Target
 from splitserve.validation import validate_object
@@ -121,54 +128,142 @@ def test_generated_specs_build_valid_owned_children(spec: dict[str, Any]) -> Non
     assert ("ServiceMonitor" in kinds) == spec["monitoring"]["enabled"]
 
 
+def _deployments(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """The Deployments by role (`prefill`, `decode`, `aggregated`, `router`): a worker Deployment's
+    name carries its KV generation, so the role is what stays comparable across specs."""
+    return {c["metadata"]["labels"][LABEL_ROLE]: c for c in build_children(target_of(doc)) if c["kind"] == "Deployment"}
+
+
 def _templates(doc: dict[str, Any]) -> dict[str, Any]:
-    return {
-        c["metadata"]["name"]: c["spec"]["template"]
-        for c in build_children(target_of(doc))
-        if c["kind"] == "Deployment"
-    }
+    return {role: deployment["spec"]["template"] for role, deployment in _deployments(doc).items()}
+
+
+def _names(doc: dict[str, Any]) -> dict[str, str]:
+    return {role: deployment["metadata"]["name"] for role, deployment in _deployments(doc).items()}
 
 
 @pytest.mark.parametrize(
     ("change", "rolled"),
     [
-        ({"decode": {"extraArgs": ["--max-num-seqs", "64"]}}, {"demo-decode"}),
-        ({"prefill": {"tensorParallelSize": 2, "resources": {"gpus": 2}}}, {"demo-prefill"}),
-        ({"router": {"routingPolicy": {"prefill": "round-robin"}}}, {"demo-router"}),
-        ({"engine": {"prefixCaching": False}}, {"demo-prefill", "demo-decode"}),
+        ({"decode": {"extraArgs": ["--max-num-seqs", "64"]}}, {"decode"}),
+        ({"prefill": {"resources": {"cpu": "9", "memory": "40Gi"}}}, {"prefill"}),
+        ({"prefill": {"extraArgs": ["--max-num-batched-tokens", "4096"]}}, {"prefill"}),
+        ({"router": {"routingPolicy": {"prefill": "round-robin"}}}, {"router"}),
+        ({"engine": {"prefixCaching": False}}, {"prefill", "decode"}),
         # precise-prefix turns on KV events in the pool it routes, and gives the router its policy.
-        ({"router": {"routingPolicy": {"prefill": "precise-prefix"}}}, {"demo-prefill", "demo-router"}),
-        ({"router": {"routingPolicy": {"decode": "precise-prefix"}}}, {"demo-decode", "demo-router"}),
+        ({"router": {"routingPolicy": {"prefill": "precise-prefix"}}}, {"prefill", "router"}),
+        ({"router": {"routingPolicy": {"decode": "precise-prefix"}}}, {"decode", "router"}),
         ({"engine": {"kvEventsPort": 6000}}, set()),  # no pool publishes events: the port is unused
         ({"router": {"port": 9000}}, set()),
         ({"decode": {"replicas": 2, "maxReplicas": 4}}, set()),
     ],
 )
 def test_a_spec_change_rolls_only_the_pods_it_affects(change: dict[str, Any], rolled: set[str]) -> None:
-    before = _templates(minimal())
-    after = _templates(minimal(**change))
-    assert {name for name in before if before[name] != after[name]} == rolled
+    before, after = minimal(), minimal(**change)
+    # Within one KV generation: the same Deployments, only the affected templates change.
+    assert _names(before) == _names(after)
+    before_templates, after_templates = _templates(before), _templates(after)
+    assert {role for role in before_templates if before_templates[role] != after_templates[role]} == rolled
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"prefill": {"tensorParallelSize": 2, "resources": {"gpus": 2}}},
+        {"model": {"name": "m", "source": {"uri": "/models/m-v2"}}},
+        {"engine": {"kvCacheDtype": "fp8"}},
+    ],
+)
+def test_a_generation_change_names_new_worker_deployments_and_leaves_the_router(change: dict[str, Any]) -> None:
+    before, after = _names(minimal()), _names(minimal(**change))
+    # Both pools of the new generation are new Deployments (the controller runs them beside the old),
+    # even where only one pool's settings changed: a pair is of one generation.
+    assert {role for role in before if before[role] != after[role]} == {"prefill", "decode"}
+    assert _templates(minimal())["router"] == _templates(minimal(**change))["router"]
+
+
+def test_worker_deployments_carry_their_generation_and_its_inputs() -> None:
+    doc = minimal()
+    target = target_of(doc)
+    generation = target.generation
+    assert len(generation) == 10
+    for role in ("prefill", "decode"):
+        deployment = _deployments(doc)[role]
+        assert deployment["metadata"]["name"] == f"demo-{role}-{generation}"
+        assert deployment["spec"]["selector"]["matchLabels"] == {
+            LABEL_DEPLOYMENT: "demo",
+            LABEL_ROLE: role,
+            LABEL_GENERATION: generation,
+        }
+        template = deployment["spec"]["template"]
+        assert template["metadata"]["labels"][LABEL_GENERATION] == generation
+        env = {var["name"]: var.get("value") for var in template["spec"]["containers"][0]["env"]}
+        assert env["SPLITSERVE_GENERATION"] == generation
+        inputs = json.loads(deployment["metadata"]["annotations"][ANNOTATION_GENERATION_INPUTS])
+        assert inputs == generation_inputs(target.spec, DEFAULT_WORKER_IMAGE)
+        # The inputs belong to the Deployment: in the template they would roll pods for nothing.
+        assert "annotations" not in template["metadata"]
+        assert ANNOTATION_GENERATION_INPUTS not in json.dumps(template)
 
 
 def test_aggregated_mode_has_one_worker_pool_behind_the_decode_service() -> None:
-    children = build_children(target_of(minimal(mode="aggregated", kvTransfer={"connector": "None"})))
+    doc = minimal(mode="aggregated", kvTransfer={"connector": "None"})
+    children = build_children(target_of(doc))
     deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
-    assert set(deployments) == {"demo-aggregated", "demo-router"}
+    aggregated = f"demo-aggregated-{target_of(doc).generation}"
+    assert set(deployments) == {aggregated, "demo-router"}
     services = {c["metadata"]["name"]: c for c in children if c["kind"] == "Service"}
     assert set(services) == {"demo-decode", "demo-router"}
-    pod_labels = deployments["demo-aggregated"]["spec"]["template"]["metadata"]["labels"]
+    pod_labels = deployments[aggregated]["spec"]["template"]["metadata"]["labels"]
     assert services["demo-decode"]["spec"]["selector"].items() <= pod_labels.items()
     router_args = deployments["demo-router"]["spec"]["template"]["spec"]["containers"][0]["args"]
+    assert "--no-prefill-pool" in router_args
     assert not any(arg.startswith("--prefill-service") for arg in router_args)
 
 
+def test_router_discovers_worker_pods_and_may_only_read_pods() -> None:
+    children = _by_name(minimal(engine={"port": 8100}))
+    args = _container(children["Deployment/demo-router"])["args"]
+    assert _option(args, "--discovery") == "pods"
+    assert (_option(args, "--deployment"), _option(args, "--namespace")) == ("demo", "ns")
+    assert _option(args, "--worker-port") == "8100"
+    # Disaggregated: the router has a prefill pool to find; EndpointSlice flags are gone.
+    assert "--no-prefill-pool" not in args
+    assert not any(arg.startswith(("--prefill-service", "--decode-service")) for arg in args)
+    assert children["Role/demo-router"]["rules"] == [
+        {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}
+    ]
+
+
 def test_worker_pools_leave_replicas_to_the_scale_subresource() -> None:
-    children = build_children(target_of(minimal(decode={"replicas": 3, "maxReplicas": 4})))
-    deployments = {c["metadata"]["name"]: c for c in children if c["kind"] == "Deployment"}
-    for name in ("demo-prefill", "demo-decode"):
-        assert "replicas" not in deployments[name]["spec"], "the apply set must never own a pool's size"
-    assert deployments["demo-decode"]["metadata"]["annotations"] == {"splitserve.io/declared-replicas": "3"}
-    assert deployments["demo-router"]["spec"]["replicas"] == 2
+    deployments = _deployments(minimal(decode={"replicas": 3, "maxReplicas": 4}))
+    for role in ("prefill", "decode"):
+        assert "replicas" not in deployments[role]["spec"], "the apply set must never own a pool's size"
+    annotations = deployments["decode"]["metadata"]["annotations"]
+    assert set(annotations) == {"splitserve.io/declared-replicas", ANNOTATION_GENERATION_INPUTS}
+    assert annotations["splitserve.io/declared-replicas"] == "3"
+    assert deployments["router"]["spec"]["replicas"] == 2
+
+
+@pytest.mark.parametrize("backend", ["keda", "hpa"])
+def test_autoscalers_scale_the_serving_generation_and_pdbs_span_generations(backend: str) -> None:
+    doc = minimal(autoscaling={"enabled": True, "backend": backend}, decode={"minReplicas": 1, "maxReplicas": 4})
+    children = build_children(target_of(doc))
+    workers = {
+        c["metadata"]["name"]: c
+        for c in children
+        if c["kind"] == "Deployment" and "router" not in c["metadata"]["name"]
+    }
+    autoscalers = [c for c in children if c["kind"] in ("ScaledObject", "HorizontalPodAutoscaler")]
+    assert autoscalers
+    for autoscaler in autoscalers:
+        target_name = autoscaler["spec"]["scaleTargetRef"]["name"]
+        assert target_name in workers and autoscaler["metadata"]["name"] == target_name
+        assert autoscaler["metadata"]["labels"][LABEL_GENERATION] == target_of(doc).generation
+    # A PDB guards a role across generations: its name and selector carry no generation.
+    pdbs = {c["metadata"]["name"]: c for c in children if c["kind"] == "PodDisruptionBudget"}
+    assert set(pdbs) == {"demo-prefill", "demo-decode", "demo-router"}
+    assert pdbs["demo-decode"]["spec"]["selector"]["matchLabels"] == {LABEL_DEPLOYMENT: "demo", LABEL_ROLE: "decode"}
 
 
 def test_network_policy_admits_router_to_http_and_pools_to_kv_ports() -> None:
@@ -206,6 +301,12 @@ def _by_name(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
     return {f"{c['kind']}/{c['metadata']['name']}": c for c in children}
 
 
+def _worker(children: dict[str, dict[str, Any]], role: str) -> dict[str, Any]:
+    """The one worker Deployment of `role` (its name ends in the spec's KV generation)."""
+    (deployment,) = (c for key, c in children.items() if key.startswith(f"Deployment/demo-{role}-"))
+    return deployment
+
+
 def _container(deployment: dict[str, Any]) -> dict[str, Any]:
     container: dict[str, Any] = deployment["spec"]["template"]["spec"]["containers"][0]
     return container
@@ -220,8 +321,8 @@ def _option(args: list[str], name: str) -> str | None:
 
 def test_precise_prefix_pool_publishes_kv_events_on_a_named_port() -> None:
     children = _by_name(minimal(engine={"kvEventsPort": 5999}, router={"routingPolicy": {"decode": "precise-prefix"}}))
-    decode = _container(children["Deployment/demo-decode"])
-    prefill = _container(children["Deployment/demo-prefill"])
+    decode = _container(_worker(children, "decode"))
+    prefill = _container(_worker(children, "prefill"))
     assert {"name": "kv-events", "containerPort": 5999, "protocol": "TCP"} in decode["ports"]
     assert _option(decode["args"], "--prefix-caching-hash-algo") == "sha256_cbor"
     events = json.loads(_option(decode["args"], "--kv-events-config") or "null")
@@ -240,10 +341,10 @@ def test_precise_prefix_pool_publishes_kv_events_on_a_named_port() -> None:
 def test_aggregated_pool_follows_the_decode_policy() -> None:
     aggregated = {"mode": "aggregated", "kvTransfer": {"connector": "None"}}
     children = _by_name(minimal(**aggregated, router={"routingPolicy": {"decode": "precise-prefix"}}))
-    assert _option(_container(children["Deployment/demo-aggregated"])["args"], "--kv-events-config") is not None
+    assert _option(_container(_worker(children, "aggregated"))["args"], "--kv-events-config") is not None
     # The prefill policy routes no pool in aggregated mode: asking it for precise-prefix changes no worker.
     children = _by_name(minimal(**aggregated, router={"routingPolicy": {"prefill": "precise-prefix"}}))
-    assert _option(_container(children["Deployment/demo-aggregated"])["args"], "--kv-events-config") is None
+    assert _option(_container(_worker(children, "aggregated"))["args"], "--kv-events-config") is None
     assert len(children["NetworkPolicy/demo-workers"]["spec"]["ingress"]) == 1
 
 
@@ -267,7 +368,7 @@ def test_router_reads_the_tokenizer_from_the_model_claim_read_only() -> None:
     assert _option(pod["containers"][0]["args"], "--tokenizer") == "/models/llama"
     assert pod["volumes"] == [{"name": "model", "persistentVolumeClaim": {"claimName": "weights", "readOnly": True}}]
     assert pod["containers"][0]["volumeMounts"] == [{"name": "model", "mountPath": "/models", "readOnly": True}]
-    worker_pod = children["Deployment/demo-decode"]["spec"]["template"]["spec"]
+    worker_pod = _worker(children, "decode")["spec"]["template"]["spec"]
     assert pod["volumes"][0] in worker_pod["volumes"], "the router mounts the workers' own volume"
     assert "/models/llama" in worker_pod["containers"][0]["args"], "the tokenizer is in the directory vLLM loads"
 

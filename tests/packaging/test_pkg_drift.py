@@ -59,6 +59,8 @@ def verbs_of(group: str, resource: str) -> set[str]:
 
 def test_operator_holds_what_it_grants_the_router() -> None:
     # RBAC escalation prevention: a Role the operator creates may only grant what the operator holds.
+    # Pods: the router's pod discovery. EndpointSlices: what the router Role of an operator before KV
+    # generations granted, which that operator still applies while an upgrade replaces it.
     router_grants = {("discovery.k8s.io", "endpointslices"), ("", "pods")}
     for group, resource in router_grants:
         assert {"get", "list", "watch"} <= verbs_of(group, resource), f"{group}/{resource}"

@@ -215,7 +215,10 @@ def test_script_deploys_waits_for_ready_and_scales(installed: Cluster) -> None:
 
     scaled = run_script(installed, "scale", "llama-8b", "2")
     assert scaled.returncode == 0, scaled.stderr + installed.logs()
-    decode = installed.get("deployment", "llama-8b-decode", "-n", WORKLOAD_NAMESPACE)
+    # One decode Deployment, `llama-8b-decode-<KV generation>`: found by its labels, not its name.
+    selector = "splitserve.io/deployment=llama-8b,splitserve.io/role=decode"
+    (decode,) = installed.get("deployment", "-l", selector, "-n", WORKLOAD_NAMESPACE)["items"]
+    assert decode["metadata"]["name"] == f"llama-8b-decode-{decode['metadata']['labels']['splitserve.io/generation']}"
     assert decode["spec"]["replicas"] == 2
     assert installed.get("idep", "llama-8b", "-n", WORKLOAD_NAMESPACE)["status"]["decode"]["readyReplicas"] == 2
 

@@ -1,7 +1,9 @@
 """Autoscaler objects for `autoscaling.backend: keda` and `autoscaling.backend: hpa` (pure builders).
 
-Both scale each pool's Deployment (`<name>-prefill`, `<name>-decode`, or `<name>-aggregated`) on
-the same signals and targets as the built-in loop (signals.py), mapped onto HPA metric types:
+Both scale each pool's Deployment of the serving KV generation (`<name>-prefill-<generation>`,
+`<name>-decode-<generation>`, or `<name>-aggregated-<generation>`, see api/generation.py) and are
+named after it, on the same signals and targets as the built-in loop (signals.py), mapped onto HPA
+metric types:
 
 ===================  =============================  ==========================================
 signal               target                         HPA/KEDA metric type
@@ -71,12 +73,17 @@ from __future__ import annotations
 from decimal import Decimal
 from typing import Any
 
-from splitserve.api.spec import InferenceDeploymentSpec, Role
-from splitserve.api.topology import pool_name, role_pool, selector_labels
+from splitserve.api.generation import kv_generation
+from splitserve.api.spec import DEFAULT_WORKER_IMAGE, InferenceDeploymentSpec, Role
+from splitserve.api.topology import generation_pool_name, role_pool, worker_selector_labels
 from splitserve.autoscaling.queries import Pool, autoscaled_pools, query_for, router_pool
 
 KEDA_API_VERSION = "keda.sh/v1alpha1"
 HPA_API_VERSION = "autoscaling/v2"
+# The kinds autoscaler_objects emits. While a new KV generation rolls out the controller sizes both
+# generations itself and leaves these out of the desired children (so they are pruned); they return
+# afterwards, aimed at the new generation's Deployments.
+AUTOSCALER_KINDS: frozenset[str] = frozenset({"ScaledObject", "HorizontalPodAutoscaler"})
 HPA_MAX_WINDOW_SECONDS = 3600
 HPA_MAX_POLICY_PERIOD_SECONDS = 1800
 
@@ -114,26 +121,32 @@ def behavior(spec: InferenceDeploymentSpec) -> dict[str, Any]:
     }
 
 
+def is_autoscaler(obj: dict[str, Any]) -> bool:
+    """Whether a child is a KEDA ScaledObject or an HPA (what a rollout withholds)."""
+    return obj.get("kind") in AUTOSCALER_KINDS
+
+
 def _metadata(
     name: str,
     namespace: str,
     pool: Pool,
+    generation: str,
     labels: dict[str, str] | None,
     owner_references: list[dict[str, Any]] | None,
 ) -> dict[str, Any]:
-    """Named after the pool's Deployment it scales, labelled like its pods' selector."""
+    """Named after the pool's Deployment it scales, labelled like that Deployment's selector."""
     meta: dict[str, Any] = {
-        "name": pool_name(name, pool),
+        "name": generation_pool_name(name, pool, generation),
         "namespace": namespace,
-        "labels": selector_labels(name, pool) | (labels or {}),
+        "labels": worker_selector_labels(name, pool, generation) | (labels or {}),
     }
     if owner_references:
         meta["ownerReferences"] = owner_references
     return meta
 
 
-def _scale_target(name: str, pool: Pool) -> dict[str, str]:
-    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": pool_name(name, pool)}
+def _scale_target(name: str, pool: Pool, generation: str) -> dict[str, str]:
+    return {"apiVersion": "apps/v1", "kind": "Deployment", "name": generation_pool_name(name, pool, generation)}
 
 
 def _non_nan(promql: str) -> str:
@@ -192,18 +205,21 @@ def scaled_object(
     name: str,
     pool: Pool,
     *,
+    worker_image: str = DEFAULT_WORKER_IMAGE,
     labels: dict[str, str] | None = None,
     owner_references: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One keda.sh/v1alpha1 ScaledObject scaling `<name>-<pool>`."""
+    """One keda.sh/v1alpha1 ScaledObject scaling `<name>-<pool>-<generation>` (`worker_image`: the
+    operator's default, which the generation hashes when engine.image is unset)."""
     autoscaling = spec.autoscaling
     pool_spec = role_pool(spec, Role(pool))
+    generation = kv_generation(spec, worker_image)
     return {
         "apiVersion": KEDA_API_VERSION,
         "kind": "ScaledObject",
-        "metadata": _metadata(name, namespace, pool, labels, owner_references),
+        "metadata": _metadata(name, namespace, pool, generation, labels, owner_references),
         "spec": {
-            "scaleTargetRef": _scale_target(name, pool),
+            "scaleTargetRef": _scale_target(name, pool, generation),
             "pollingInterval": autoscaling.interval_seconds,
             # Only used for the last step to zero; the windows govern everything else.
             "cooldownPeriod": autoscaling.scale_down_stabilization_seconds,
@@ -211,7 +227,7 @@ def scaled_object(
             "maxReplicaCount": pool_spec.max_replicas,
             "advanced": {
                 "horizontalPodAutoscalerConfig": {
-                    "name": pool_name(name, pool),
+                    "name": generation_pool_name(name, pool, generation),
                     "behavior": behavior(spec),
                 },
             },
@@ -261,17 +277,20 @@ def horizontal_pod_autoscaler(
     name: str,
     pool: Pool,
     *,
+    worker_image: str = DEFAULT_WORKER_IMAGE,
     labels: dict[str, str] | None = None,
     owner_references: list[dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """One autoscaling/v2 HorizontalPodAutoscaler on prometheus-adapter external metrics."""
+    """One autoscaling/v2 HorizontalPodAutoscaler on prometheus-adapter external metrics, scaling
+    `<name>-<pool>-<generation>`."""
     pool_spec = role_pool(spec, Role(pool))
+    generation = kv_generation(spec, worker_image)
     return {
         "apiVersion": HPA_API_VERSION,
         "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(name, namespace, pool, labels, owner_references),
+        "metadata": _metadata(name, namespace, pool, generation, labels, owner_references),
         "spec": {
-            "scaleTargetRef": _scale_target(name, pool),
+            "scaleTargetRef": _scale_target(name, pool, generation),
             "minReplicas": max(1, pool_spec.min_replicas),
             "maxReplicas": max(1, pool_spec.max_replicas),
             "behavior": behavior(spec),
@@ -285,15 +304,17 @@ def autoscaler_objects(
     namespace: str,
     name: str,
     *,
+    worker_image: str = DEFAULT_WORKER_IMAGE,
     labels: dict[str, str] | None = None,
     owner_references: list[dict[str, Any]] | None = None,
 ) -> list[dict[str, Any]]:
-    """The objects for spec.autoscaling.backend (none for `builtin` or when autoscaling is off)."""
+    """The objects for spec.autoscaling.backend (none for `builtin` or when autoscaling is off), each
+    aimed at the spec's own generation; kinds AUTOSCALER_KINDS, so a rollout can leave them out."""
     autoscaling = spec.autoscaling
     if not autoscaling.enabled or autoscaling.backend == "builtin":
         return []
     build = scaled_object if autoscaling.backend == "keda" else horizontal_pod_autoscaler
     return [
-        build(spec, namespace, name, pool, labels=labels, owner_references=owner_references)
+        build(spec, namespace, name, pool, worker_image=worker_image, labels=labels, owner_references=owner_references)
         for pool in autoscaled_pools(spec)
     ]

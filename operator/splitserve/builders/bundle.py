@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
-from splitserve.api.topology import worker_roles
-from splitserve.builders.autoscalers import autoscaler_objects
+from splitserve.api.topology import router_name, worker_roles
+from splitserve.builders.autoscalers import autoscaler_objects, is_autoscaler
 from splitserve.builders.disruption import build_pdbs
 from splitserve.builders.monitoring import build_monitors
 from splitserve.builders.network import build_network_policy
@@ -21,7 +22,7 @@ def build_children(target: Target) -> list[dict[str, Any]]:
         *build_router_rbac(target),
         *build_worker_services(target),
         build_router_service(target),
-        *(build_worker_deployment(target, role) for role in worker_roles(target.spec)),
+        *build_worker_deployments(target),
         build_router_deployment(target),
         *build_pdbs(target),
         build_network_policy(target),
@@ -30,14 +31,45 @@ def build_children(target: Target) -> list[dict[str, Any]]:
     ]
 
 
+def build_worker_deployments(target: Target) -> list[dict[str, Any]]:
+    """The worker Deployments of the target's generation, one per role of its mode."""
+    return [build_worker_deployment(target, role) for role in worker_roles(target.spec)]
+
+
+def build_rollout_children(target: Target, replaced: Sequence[Target]) -> list[dict[str, Any]]:
+    """The children while `target`'s generation rolls out over the generations of `replaced` (the
+    specs they were built from): the target's children less the KEDA/HPA autoscalers (the rollout
+    sizes the pools itself), with the replaced generations' worker Deployments beside the new ones.
+
+    What `splitserve render --from` shows. A replaced spec of the target's own generation adds
+    nothing: its Deployments are the target's."""
+    new = [child for child in build_children(target) if not is_autoscaler(child)]
+    seen = {child_key(child) for child in new}
+    old: list[dict[str, Any]] = []
+    for previous in replaced:
+        for deployment in build_worker_deployments(previous):
+            if child_key(deployment) not in seen:
+                seen.add(child_key(deployment))
+                old.append(deployment)
+    # After the new worker Deployments, before the router: the order of a first apply still holds.
+    router_index = next(
+        index
+        for index, child in enumerate(new)
+        if child["metadata"]["name"] == router_name(target.owner.name) and child["kind"] == "Deployment"
+    )
+    return [*new[:router_index], *old, *new[router_index:]]
+
+
 def _autoscaler_objects(target: Target) -> list[dict[str, Any]]:
-    """KEDA ScaledObjects or HPAs (autoscaling.backend keda/hpa); the built-in loop needs none."""
+    """KEDA ScaledObjects or HPAs (autoscaling.backend keda/hpa) scaling the target's generation; the
+    built-in loop needs none. During a rollout the controller drops them (autoscalers.is_autoscaler)."""
     owner = target.owner
     meta = metadata(target, owner.name, "autoscaler")
     return autoscaler_objects(
         target.spec,
         owner.namespace,
         owner.name,
+        worker_image=target.images.worker,
         labels=meta["labels"],
         owner_references=meta.get("ownerReferences"),
     )

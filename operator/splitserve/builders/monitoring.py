@@ -1,23 +1,38 @@
 """prometheus-operator objects: a ServiceMonitor for the router, a PodMonitor for the workers.
 
 Relabelling copies the pods' splitserve labels into `deployment` and `role`, the labels the
-autoscaler's and the diagnosis' PromQL select on.
+autoscaler's and the diagnosis' PromQL select on; worker series also get `generation` (the pod's KV
+generation), so a rollout's two generations can be told apart on a dashboard. The router's series
+carry their own `generation` label where they have one (per-generation request counts), so the
+router's monitor does not add it.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from splitserve.api.topology import LABEL_DEPLOYMENT, LABEL_ROLE, ROUTER_ROLE, WORKER_HTTP_PORT_NAME, router_name
+from splitserve.api.topology import (
+    LABEL_DEPLOYMENT,
+    LABEL_GENERATION,
+    LABEL_ROLE,
+    ROUTER_ROLE,
+    WORKER_HTTP_PORT_NAME,
+    router_name,
+)
 from splitserve.builders.target import Target, metadata
 
 
-def _relabelings() -> list[dict[str, Any]]:
-    def copy(label: str, target: str) -> dict[str, Any]:
-        source = "__meta_kubernetes_pod_label_" + label.replace(".", "_").replace("/", "_").replace("-", "_")
-        return {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
+def _copy(label: str, target: str) -> dict[str, Any]:
+    source = "__meta_kubernetes_pod_label_" + label.replace(".", "_").replace("/", "_").replace("-", "_")
+    return {"sourceLabels": [source], "targetLabel": target, "action": "replace"}
 
-    return [copy(LABEL_DEPLOYMENT, "deployment"), copy(LABEL_ROLE, "role")]
+
+def _relabelings() -> list[dict[str, Any]]:
+    return [_copy(LABEL_DEPLOYMENT, "deployment"), _copy(LABEL_ROLE, "role")]
+
+
+def _worker_relabelings() -> list[dict[str, Any]]:
+    return [*_relabelings(), _copy(LABEL_GENERATION, "generation")]
 
 
 def build_monitors(target: Target) -> list[dict[str, Any]]:
@@ -46,7 +61,12 @@ def build_monitors(target: Target) -> list[dict[str, Any]]:
                 "matchExpressions": [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ROUTER_ROLE]}],
             },
             "podMetricsEndpoints": [
-                {"port": WORKER_HTTP_PORT_NAME, "path": "/metrics", "interval": interval, "relabelings": _relabelings()}
+                {
+                    "port": WORKER_HTTP_PORT_NAME,
+                    "path": "/metrics",
+                    "interval": interval,
+                    "relabelings": _worker_relabelings(),
+                }
             ],
         },
     }

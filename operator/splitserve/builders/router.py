@@ -9,10 +9,8 @@ from typing import Any
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
 from splitserve.api.topology import (
     ROUTER_ROLE,
-    decode_service_name,
     kv_event_roles,
     pod_labels,
-    prefill_service_name,
     router_name,
     selector_labels,
 )
@@ -50,16 +48,19 @@ def router_args(spec: InferenceDeploymentSpec, *, host: str, port: int, workers:
     ]
 
 
-def kubernetes_discovery_args(target: Target) -> list[str]:
-    """Where the router in a cluster finds the workers: the pools' EndpointSlices, watched live."""
+def pod_discovery_args(target: Target) -> list[str]:
+    """Where the router in a cluster finds the workers: the deployment's worker Pods, watched live.
+
+    Pods, not the pools' EndpointSlices: only a Pod carries its KV generation label, and the router
+    must pair prefill and decode within one generation. Without a prefill pool (aggregated mode) the
+    router is told so, and counts requests as aggregated rather than as prefill fallbacks."""
     spec = target.spec
-    name = target.owner.name
     return [
-        "--discovery=kubernetes",
+        "--discovery=pods",
+        f"--deployment={target.owner.name}",
         f"--namespace={target.owner.namespace}",
-        *([f"--prefill-service={prefill_service_name(name)}"] if spec.mode == Mode.DISAGGREGATED else []),
-        f"--decode-service={decode_service_name(name)}",
         f"--worker-port={spec.engine.port}",
+        *(["--no-prefill-pool"] if spec.mode == Mode.AGGREGATED else []),
     ]
 
 
@@ -94,7 +95,7 @@ def router_processes(cpu: int | str) -> int:
 def router_container_args(target: Target) -> list[str]:
     """The router container's args (after its `splitserve` command)."""
     spec = target.spec
-    workers = kubernetes_discovery_args(target)
+    workers = pod_discovery_args(target)
     args = ["router", *router_args(spec, host="0.0.0.0", port=ROUTER_CONTAINER_PORT, workers=workers)]
     args.append(f"--workers={router_processes(spec.router.cpu)}")
     tokenizer = router_tokenizer(spec)
@@ -174,7 +175,7 @@ def build_router_service(target: Target) -> dict[str, Any]:
 
 
 def build_router_rbac(target: Target) -> list[dict[str, Any]]:
-    """ServiceAccount, Role and RoleBinding: the router only reads EndpointSlices and pods."""
+    """ServiceAccount, Role and RoleBinding: the router only reads the Pods of its namespace."""
     name = router_name(target.owner.name)
     return [
         {
@@ -186,14 +187,9 @@ def build_router_rbac(target: Target) -> list[dict[str, Any]]:
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
             "metadata": metadata(target, name, ROUTER_ROLE),
-            "rules": [
-                {
-                    "apiGroups": ["discovery.k8s.io"],
-                    "resources": ["endpointslices"],
-                    "verbs": ["get", "list", "watch"],
-                },
-                {"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]},
-            ],
+            # Pods discovery lists and watches Pods by the deployment label (a Role cannot narrow it
+            # to a label: it is every Pod of the namespace, read-only).
+            "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",

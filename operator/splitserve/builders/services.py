@@ -1,4 +1,7 @@
-"""Headless Services the router discovers workers through (DNS or EndpointSlices)."""
+"""Headless Services over the worker pools: one stable name per pool, across KV generations (they
+select by role, not generation). The operator's router follows the worker Pods instead (router.py),
+since only a Pod carries its generation; the Services serve people and tools that need one name per
+pool, and mix both generations while a rollout runs."""
 
 from __future__ import annotations
 

@@ -6,8 +6,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
+from splitserve.api.generation import kv_generation
 from splitserve.api.spec import DEFAULT_ROUTER_IMAGE, DEFAULT_WORKER_IMAGE, InferenceDeploymentSpec
 from splitserve.api.topology import Owner, common_labels
 
@@ -34,6 +36,11 @@ class Target:
     owner: Owner
     spec: InferenceDeploymentSpec
     images: Images = Images()
+
+    @cached_property
+    def generation(self) -> str:
+        """The spec's KV generation: part of every worker pool's name, selector and pod labels."""
+        return kv_generation(self.spec, self.images.worker)
 
 
 def metadata(target: Target, name: str, component: str, **extra_labels: str) -> dict[str, Any]:

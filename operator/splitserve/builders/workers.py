@@ -1,31 +1,36 @@
-"""Worker pool Deployments (prefill, decode, or one aggregated pool).
+"""Worker pool Deployments (prefill, decode, or one aggregated pool), one per KV generation.
 
-Each pool's pod template depends only on the spec fields that affect that pool, so a change
-to, say, the decode pool's extraArgs rolls decode pods and nothing else.
+A Deployment is named `<name>-<role>-<generation>` (api/generation.py): a change of a generation
+field names new Deployments, which the controller brings up beside the old ones (make-before-break).
+Within a generation, each pool's pod template depends only on the spec fields that affect that
+pool, so a change to, say, the decode pool's max batch size rolls decode pods and nothing else.
 """
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
+from splitserve.api.generation import generation_inputs
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
 from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
+    ANNOTATION_GENERATION_INPUTS,
     KV_EVENTS_PORT_NAME,
     KV_SIDE_CHANNEL_PORT_NAME,
     WORKER_HTTP_PORT_NAME,
-    pod_labels,
-    pool_name,
+    generation_pool_name,
     publishes_kv_events,
     role_pool,
-    selector_labels,
+    worker_pod_labels,
+    worker_selector_labels,
 )
 from splitserve.builders.target import Target, metadata
 from splitserve.builders.vllm_args import MODEL_MOUNT_PATH, build_engine_launch
 
 HF_CACHE_PATH = "/var/cache/huggingface"
-# Time for the router's EndpointSlice watch to see a terminating pod before the engine stops
-# taking requests: the router stops routing to it first, then in-flight requests finish.
+# Time for the router's pod watch to see a terminating pod before the engine stops taking
+# requests: the router stops routing to it first, then in-flight requests finish.
 PRESTOP_SLEEP_SECONDS = 10
 PROGRESS_DEADLINE_SECONDS = 1800
 
@@ -34,11 +39,13 @@ def _uses_kv_transfer(spec: InferenceDeploymentSpec, role: Role) -> bool:
     return role != Role.AGGREGATED and spec.kv_transfer.connector != Connector.NONE
 
 
-def _env(spec: InferenceDeploymentSpec, role: Role, engine_env: dict[str, str]) -> list[dict[str, Any]]:
+def _env(spec: InferenceDeploymentSpec, engine_env: dict[str, str], generation: str) -> list[dict[str, Any]]:
     env: list[dict[str, Any]] = [
         {"name": "POD_IP", "valueFrom": {"fieldRef": {"fieldPath": "status.podIP"}}},
         {"name": "POD_NAME", "valueFrom": {"fieldRef": {"fieldPath": "metadata.name"}}},
         {"name": "HF_HOME", "value": HF_CACHE_PATH},
+        # The pod's KV generation, also its label: lets the worker's logs and answers say which it is.
+        {"name": "SPLITSERVE_GENERATION", "value": generation},
     ]
     env += [{"name": name, "value": value} for name, value in sorted(engine_env.items())]
     source = spec.model.source
@@ -116,7 +123,7 @@ def _ports(spec: InferenceDeploymentSpec, role: Role) -> list[dict[str, Any]]:
     return ports
 
 
-def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[str, Any]:
+def _container(spec: InferenceDeploymentSpec, role: Role, image: str, generation: str) -> dict[str, Any]:
     pool = role_pool(spec, role)
     launch = build_engine_launch(spec, role)
     volumes_mounts = _volumes(spec, pool)[1]
@@ -126,7 +133,7 @@ def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[st
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["splitserve", "worker"],
         "args": ["--role", str(role), f"--drain-timeout={_drain_seconds(pool)}", "--", *launch.args],
-        "env": _env(spec, role, launch.env),
+        "env": _env(spec, launch.env, generation),
         "ports": _ports(spec, role),
         "resources": _resources(pool),
         "volumeMounts": volumes_mounts,
@@ -142,10 +149,11 @@ def _container(spec: InferenceDeploymentSpec, role: Role, image: str) -> dict[st
 def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
     spec = target.spec
     name = target.owner.name
+    generation = target.generation
     pool = role_pool(spec, role)
     volumes = _volumes(spec, pool)[0]
     pod_spec: dict[str, Any] = {
-        "containers": [_container(spec, role, spec.engine.image or target.images.worker)],
+        "containers": [_container(spec, role, spec.engine.image or target.images.worker, generation)],
         "volumes": volumes,
         "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
         "enableServiceLinks": False,
@@ -157,16 +165,26 @@ def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
     if pool.affinity:
         pod_spec["affinity"] = dict(pool.affinity)
     deployment_spec: dict[str, Any] = {
-        "selector": {"matchLabels": selector_labels(name, role)},
+        "selector": {"matchLabels": worker_selector_labels(name, role, generation)},
         # Pulling an engine image and loading weights can take long; past this the Deployment
         # reports ProgressDeadlineExceeded and the pool's condition turns False instead of Unknown.
         "progressDeadlineSeconds": PROGRESS_DEADLINE_SECONDS,
         # Surge, never remove first: an engine takes minutes to load, capacity must not dip.
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
-        "template": {"metadata": {"labels": pod_labels(name, role)}, "spec": pod_spec},
+        "template": {"metadata": {"labels": worker_pod_labels(name, role, generation)}, "spec": pod_spec},
     }
-    meta = metadata(target, pool_name(name, role), str(role), **selector_labels(name, role))
-    meta["annotations"] = {ANNOTATION_DECLARED_REPLICAS: str(pool.replicas)}
+    meta = metadata(
+        target,
+        generation_pool_name(name, role, generation),
+        str(role),
+        **worker_selector_labels(name, role, generation),
+    )
+    meta["annotations"] = {
+        ANNOTATION_DECLARED_REPLICAS: str(pool.replicas),
+        # What the generation hashes, on the Deployment only (never the pod template, which it would
+        # roll for nothing): a later rollout reads it to say which fields changed, without the old spec.
+        ANNOTATION_GENERATION_INPUTS: json.dumps(generation_inputs(spec, target.images.worker), sort_keys=True),
+    }
     # No spec.replicas: the pool's size is owned by whoever scales it (the spec when it changes,
     # the built-in autoscaler, KEDA/HPA, or `kubectl scale`), always through the /scale
     # subresource, so the operator's server-side apply never owns the field and never fights.
