@@ -4,10 +4,11 @@ CRD install and polling it is driven with (tests/operator_e2e, tests/packaging, 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -66,6 +67,32 @@ class OperatorProcess:
         return self.log_path.read_text(errors="replace")
 
 
+@contextlib.contextmanager
+def operator_on_emulator(
+    workdir: Path,
+    *,
+    env: Mapping[str, str] | None = None,
+    fake_controllers: bool = True,
+    state_file: Path | None = None,
+    log_tail: int = 4000,
+) -> Iterator[tuple[EmulatorProcess, OperatorProcess]]:
+    """An emulator with the CRD and NAMESPACE installed and the operator running against it, for a
+    module's fixture. On the way out the operator stops, the emulator is killed, and the last
+    `log_tail` characters of the operator's log go to stderr."""
+    emulator = EmulatorProcess(workdir, state_file=state_file, fake_controllers=fake_controllers)
+    emulator.start()
+    with emulator.client() as client:
+        install_crd(client)
+    operator = OperatorProcess(emulator, workdir, env=env)
+    operator.start()
+    try:
+        yield emulator, operator
+    finally:
+        operator.stop()
+        emulator.kill()
+        sys.stderr.write(operator.log()[-log_tail:])
+
+
 async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0, every_s: float = 0.5) -> Any:
     """Poll `check` until it returns something truthy (returned), or time out saying what was awaited."""
     deadline = time.monotonic() + limit_s
@@ -76,6 +103,25 @@ async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0,
             return last
         await asyncio.sleep(every_s)
     raise TimeoutError(f"timed out waiting for {what} (last: {last!r})")
+
+
+WORKER_ROLES = ("prefill", "decode", "aggregated")
+
+
+def worker_pools(client: EmulatorClient, name: str, role: str | None = None) -> list[dict[str, Any]]:
+    """The worker Deployments of InferenceDeployment `name` (of one role), every KV generation's:
+    they are named `<name>-<role>-<generation>`, so tests find them by label, not by name."""
+    roles = role or ",".join(WORKER_ROLES)
+    selector = f"splitserve.io/deployment={name},splitserve.io/role in ({roles})"
+    found: list[dict[str, Any]] = client.list("apps/v1", "deployments", namespace=NAMESPACE, label_selector=selector)
+    return sorted(found, key=lambda d: str(d["metadata"]["name"]))
+
+
+def worker_pool(client: EmulatorClient, name: str, role: str) -> dict[str, Any] | None:
+    """The one worker Deployment of `role` (None while there is none); outside a rollout there is one."""
+    found = worker_pools(client, name, role)
+    assert len(found) <= 1, f"{len(found)} {role} Deployments: {[d['metadata']['name'] for d in found]}"
+    return found[0] if found else None
 
 
 def install_crd(client: EmulatorClient) -> None:

@@ -47,7 +47,7 @@ from splitserve.api.crd import render_crd_yaml  # noqa: E402
 from splitserve.local.ports import free_port  # noqa: E402
 from testkit.emulator.client import EmulatorClient  # noqa: E402
 from testkit.emulator.fixtures import EmulatorProcess  # noqa: E402
-from testkit.operator import operator_requests, reconciles_total  # noqa: E402
+from testkit.operator import operator_requests, reconciles_total, worker_pool  # noqa: E402
 
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
 NAMESPACE = "bench"
@@ -165,11 +165,14 @@ def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[st
             time.sleep(3)
             client.clear_requests_log()
             before = reconciles_total(metrics_url)
+            # The decode pools, by label: they are named after their KV generation (`m<i>-decode-<gen>`).
+            decode = [(worker_pool(client, f"m{index}", "decode") or {}).get("metadata", {}) for index in range(count)]
+            client.clear_requests_log()
             for index in range(count):
                 client.patch(
                     "apps/v1",
                     "deployments",
-                    f"m{index}-decode",
+                    decode[index]["name"],
                     {"metadata": {"annotations": {"bench.splitserve.io/touched": str(time.time())}}},
                     namespace=NAMESPACE,
                 )

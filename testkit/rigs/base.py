@@ -105,14 +105,13 @@ class EmulatedDeployment:
         )
 
     async def replicas(self, pool: str) -> int | None:
-        """The pool Deployment's spec.replicas; None while it does not exist."""
-        try:
-            deployment = await self.api.get("apps/v1", "deployments", f"{self.name}-{pool}", namespace=NAMESPACE)
-        except ApiError as error:
-            if error.status_code == 404:
-                return None
-            raise
-        return int(deployment.get("spec", {}).get("replicas", 1))
+        """The pool Deployment's spec.replicas; None while it does not exist. Found by its labels: it is
+        named after its KV generation too (`<name>-<role>-<generation>`), one per role outside a rollout."""
+        selector = f"splitserve.io/deployment={self.name},splitserve.io/role={pool}"
+        found = await self.api.list("apps/v1", "deployments", namespace=NAMESPACE, label_selector=selector)
+        if not found:
+            return None
+        return sum(int(deployment.get("spec", {}).get("replicas", 1)) for deployment in found)
 
     async def replicas_equal(self, **expected: int) -> bool:
         return all([await self.replicas(pool) == count for pool, count in expected.items()])

@@ -9,17 +9,13 @@ from dataclasses import dataclass
 from typing import Any
 
 import pytest
-import yaml
 
-from splitserve.api.crd import render_crd_yaml
 from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
-from splitserve.controller.reconcile import IDEP, Reconciler
-from splitserve.io.kube import KubeClient
-from splitserve.kubeconfig import KubeAccess
+from splitserve.controller.reconcile import IDEP
 from splitserve.optimization.autopilot import Decision, Sample
 from testkit.cache import fill_cache
-from testkit.emulator.client import AsyncEmulatorClient
-from testkit.emulator.server import running_emulator
+from testkit.reconciler import ReconcilerOnEmulator as World
+from testkit.reconciler import reconciler_on_emulator
 
 NAMESPACE = "serving"
 PLURAL = ("splitserve.io/v1alpha1", "inferencedeployments")
@@ -59,25 +55,10 @@ class ScriptedTelemetry:
         return {}
 
 
-@dataclass
-class World:
-    api: AsyncEmulatorClient
-    reconciler: Reconciler
-    events: list[tuple[str, str, str]]
-
-
 @pytest.fixture
 async def world() -> AsyncIterator[World]:
-    async with running_emulator() as emulator, AsyncEmulatorClient(emulator.url) as api:
-        await api.create("apiextensions.k8s.io/v1", "customresourcedefinitions", yaml.safe_load(render_crd_yaml()))
-        await api.create("v1", "namespaces", {"apiVersion": "v1", "kind": "Namespace", "metadata": {"name": NAMESPACE}})
-        events: list[tuple[str, str, str]] = []
-        kube = KubeClient(KubeAccess(emulator.url, False))
-        reconciler = Reconciler(kube, lambda _body, kind, reason, message: events.append((kind, reason, message)))
-        try:
-            yield World(api, reconciler, events)
-        finally:
-            await kube.aclose()
+    async with reconciler_on_emulator(NAMESPACE) as cluster:
+        yield cluster
 
 
 async def create(world: World, name: str, **spec: Any) -> None:
@@ -101,8 +82,15 @@ async def optimize(
     return await optimize_once(world.reconciler, NAMESPACE, name, telemetry, samples, now, settings)
 
 
-async def args_of(world: World, deployment: str) -> list[str]:
-    found = await world.api.get("apps/v1", "deployments", deployment, namespace=NAMESPACE)
+async def pool_of(world: World, name: str, role: str) -> dict[str, Any]:
+    """The role's worker Deployment (`<name>-<role>-<KV generation>`; one outside a rollout)."""
+    selector = f"splitserve.io/deployment={name},splitserve.io/role={role}"
+    (found,) = await world.api.list("apps/v1", "deployments", namespace=NAMESPACE, label_selector=selector)
+    return found
+
+
+async def args_of(world: World, name: str, role: str = "aggregated") -> list[str]:
+    found = await pool_of(world, name, role)
     return list(found["spec"]["template"]["spec"]["containers"][0]["args"])
 
 
@@ -124,7 +112,7 @@ async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoe
             break
     # The first sample is at minute 0; 10 minutes of it are needed, all supporting the change.
     assert applied_at == 10
-    assert "--speculative-config" in await args_of(world, "vt-aggregated")
+    assert "--speculative-config" in await args_of(world, "vt")
     assert (await status(world, "vt"))["autopilot"]["overrides"] == {
         "engine": {"speculativeDecoding": {"method": "ngram"}}
     }
@@ -139,7 +127,7 @@ async def test_production_policy_in_virtual_time_turns_speculative_on_then_undoe
             assert decision.action.reverts is not None
             break
     assert undone_at == applied_at + 15
-    assert "--speculative-config" not in await args_of(world, "vt-aggregated")
+    assert "--speculative-config" not in await args_of(world, "vt")
     observed = await status(world, "vt")
     assert observed["autopilot"]["overrides"] == {}
     assert [entry["undone"] for entry in observed["optimization"]] == [True, False]
@@ -166,7 +154,7 @@ async def test_a_change_the_spec_cannot_take_is_not_applied(world: World) -> Non
     assert autopilot["note"].startswith("not applied (switch to disaggregated)")
     assert "connector" in autopilot["note"]
     assert autopilot["overrides"] == {}
-    assert await world.api.get("apps/v1", "deployments", "noconn-aggregated", namespace=NAMESPACE)
+    assert await pool_of(world, "noconn", "aggregated")
 
 
 async def test_no_telemetry_means_no_change(world: World) -> None:
@@ -179,7 +167,7 @@ async def test_no_telemetry_means_no_change(world: World) -> None:
         assert decision is not None and decision.action is None
     observed = await status(world, "blind")
     assert observed.get("optimization", []) == [] and observed["autopilot"]["overrides"] == {}
-    assert "speculative" not in " ".join(await args_of(world, "blind-aggregated"))
+    assert "speculative" not in " ".join(await args_of(world, "blind"))
 
 
 async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_replicas(world: World) -> None:
@@ -190,10 +178,7 @@ async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_r
         autoscaling={"enabled": True, "prefillDecodeRatio": {"min": 0.25, "max": 1.0}},
         optimization={"dynamic": True},
     )
-    before = {
-        pool: (await world.api.get("apps/v1", "deployments", f"auto-{pool}", namespace=NAMESPACE))["spec"]["replicas"]
-        for pool in ("prefill", "decode")
-    }
+    before = {pool: (await pool_of(world, "auto", pool))["spec"]["replicas"] for pool in ("prefill", "decode")}
     settings = AutopilotSettings()
     samples = new_samples(settings)
     # Long prompts, short answers: the traffic needs far more prefill than decode.
@@ -210,9 +195,6 @@ async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_r
     widened = overrides["autoscaling"]["prefillDecodeRatio"]["max"]
     assert set(overrides) == {"autoscaling"} and widened > 1.5  # only the max moved, past the band
     assert action.numbers["needed_ratio"] * 1.5 == pytest.approx(widened, rel=0.01)
-    after = {
-        pool: (await world.api.get("apps/v1", "deployments", f"auto-{pool}", namespace=NAMESPACE))["spec"]["replicas"]
-        for pool in ("prefill", "decode")
-    }
+    after = {pool: (await pool_of(world, "auto", pool))["spec"]["replicas"] for pool in ("prefill", "decode")}
     assert after == before  # pool sizes stay the autoscaler's
     assert [reason for _, reason, _ in world.events].count("Optimized") == 1

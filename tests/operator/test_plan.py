@@ -48,6 +48,15 @@ def desired(spec: InferenceDeploymentSpec) -> list[dict[str, Any]]:
     return build_children(Target(OWNER, spec, Images()))
 
 
+def generation(spec: InferenceDeploymentSpec) -> str:
+    return Target(OWNER, spec, Images()).generation
+
+
+def pool(role: str, spec: InferenceDeploymentSpec | None = None) -> str:
+    """A worker pool Deployment's name: `demo-<role>-<KV generation>`."""
+    return f"demo-{role}-{generation(spec or spec_of())}"
+
+
 def test_nothing_to_write_when_the_cluster_holds_what_the_spec_wants() -> None:
     spec = spec_of()
     assert plan_writes(spec, desired(spec), cluster_for(spec)) == []
@@ -57,7 +66,7 @@ def test_an_empty_cluster_gets_sized_creates_for_pools_and_applies_for_the_rest(
     spec = spec_of(prefill={"replicas": 2})
     writes = plan_writes(spec, desired(spec), {})
     creates = {write.obj["metadata"]["name"]: write.replicas for write in writes if write.verb == "create"}
-    assert creates == {"demo-prefill": 2, "demo-decode": 1}
+    assert creates == {pool("prefill", spec): 2, pool("decode", spec): 1}
     assert all(write.verb == "apply" for write in writes if write.obj["metadata"]["name"] not in creates)
 
 
@@ -66,10 +75,10 @@ def test_a_changed_spec_count_is_one_scale_and_a_hand_scale_is_kept() -> None:
     cluster = cluster_for(before)
     writes = plan_writes(after, desired(after), cluster)
     scales = [(w.obj["metadata"]["name"], w.replicas) for w in writes if w.verb == "scale"]
-    assert scales == [("demo-decode", 3)]
+    assert scales == [(pool("decode"), 3)]
     # kubectl scale to 5 with an unchanged spec: not pulled back.
     hand_scaled = dict(cluster)
-    key = ("apps/v1", "Deployment", "demo-decode")
+    key = ("apps/v1", "Deployment", pool("decode"))
     hand_scaled[key] = {**cluster[key], "spec": {**cluster[key]["spec"], "replicas": 5}}
     assert plan_writes(before, desired(before), hand_scaled) == []
 
@@ -89,28 +98,41 @@ def test_a_switch_to_aggregated_keeps_the_old_pools_until_the_new_one_serves() -
     old = cluster_for(spec_of())  # disaggregated: prefill and decode pools, a prefill Service
     aggregated = spec_of(mode="aggregated")
     new_pool_not_ready = {**old, **cluster_for(aggregated, ready=0)}
-    switch = plan_mode_switch(aggregated, OWNER, new_pool_not_ready)
+    assert generation(aggregated) == generation(spec_of()), "the mode is not a KV generation input"
+    switch = plan_mode_switch(aggregated, OWNER, new_pool_not_ready, generation(aggregated))
     assert switch.switching and switch.waiting_for == Role.AGGREGATED and switch.remove == ()
-    assert ("apps/v1", "Deployment", "demo-prefill") in switch.keep
+    assert ("apps/v1", "Deployment", pool("prefill")) in switch.keep
     assert ("v1", "Service", "demo-prefill") in switch.keep
 
     new_pool_ready = {**old, **cluster_for(aggregated)}
-    switch = plan_mode_switch(aggregated, OWNER, new_pool_ready)
+    switch = plan_mode_switch(aggregated, OWNER, new_pool_ready, generation(aggregated))
     removed = {(obj["kind"], obj["metadata"]["name"]) for obj in switch.remove}
     assert not switch.switching
-    assert removed == {("Deployment", "demo-prefill"), ("Deployment", "demo-decode"), ("Service", "demo-prefill")}
+    assert removed == {
+        ("Deployment", pool("prefill")),
+        ("Deployment", pool("decode")),
+        ("Service", "demo-prefill"),
+    }
+
+
+def test_a_switch_leaves_another_generations_pools_to_the_rollout() -> None:
+    old = cluster_for(spec_of())
+    aggregated = spec_of(mode="aggregated", model={"name": "m", "source": {"uri": "s3://m2"}})
+    assert generation(aggregated) != generation(spec_of())
+    switch = plan_mode_switch(aggregated, OWNER, {**old, **cluster_for(aggregated, ready=0)}, generation(aggregated))
+    assert not switch.switching and switch.remove == ()
 
 
 def test_no_switch_when_the_pools_match_the_mode() -> None:
     spec = spec_of()
-    switch = plan_mode_switch(spec, OWNER, cluster_for(spec))
+    switch = plan_mode_switch(spec, OWNER, cluster_for(spec), generation(spec))
     assert not switch.switching and switch.remove == ()
 
 
 def test_prune_takes_owned_strays_of_prunable_kinds_only() -> None:
     spec = spec_of()
     cluster = dict(cluster_for(spec))
-    stray = copy.deepcopy(dict(cluster[("apps/v1", "Deployment", "demo-decode")]))
+    stray = copy.deepcopy(dict(cluster[("apps/v1", "Deployment", pool("decode"))]))
     stray["metadata"]["name"] = "demo-old"
     foreign = copy.deepcopy(stray)
     foreign["metadata"].update(name="someone-elses", ownerReferences=[{"uid": "other"}])

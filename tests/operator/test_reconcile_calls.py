@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from typing import Any, cast
 
+from splitserve.api.spec import InferenceDeploymentSpec
+from splitserve.api.topology import Owner
+from splitserve.builders.target import Images, Target
 from splitserve.controller.cache import ClusterCache
 from splitserve.controller.loops.diagnosis import diagnose_once
 from splitserve.controller.reconcile import Reconciler
@@ -21,6 +24,13 @@ def deployment(name: str = "demo", **spec: Any) -> dict[str, Any]:
         "metadata": {"name": name, "namespace": NAMESPACE, "generation": 1},
         "spec": {"model": {"name": "m", "source": {"uri": "s3://m"}}, **spec},
     }
+
+
+def decode_pool(body: dict[str, Any]) -> str:
+    """The decode pool Deployment's name, `<name>-decode-<KV generation>`."""
+    spec = InferenceDeploymentSpec.model_validate(body["spec"])
+    owner = Owner(body["metadata"]["name"], NAMESPACE)
+    return f"{owner.name}-decode-{Target(owner, spec, Images()).generation}"
 
 
 def reconciler_for(cluster: FakeCluster) -> tuple[Reconciler, list[str]]:
@@ -85,7 +95,7 @@ async def test_a_pool_becoming_ready_costs_one_status_write() -> None:
     cluster = FakeCluster()
     reconciler, _ = reconciler_for(cluster)
     await reconciler.reconcile(cluster.put(deployment()))
-    pool = cluster.objects[("apps/v1", "Deployment", NAMESPACE, "demo-decode")]
+    pool = cluster.objects[("apps/v1", "Deployment", NAMESPACE, decode_pool(deployment()))]
     pool["status"] = {"replicas": 1, "readyReplicas": 1, "availableReplicas": 1, "updatedReplicas": 1}
     cluster.put(pool)
     watch_catches_up(reconciler, cluster)
@@ -104,16 +114,16 @@ async def test_a_create_the_cache_had_not_seen_reads_once_then_applies() -> None
         {
             "apiVersion": "apps/v1",
             "kind": "Deployment",
-            "metadata": {"name": "demo-decode", "namespace": NAMESPACE, "labels": {}},
+            "metadata": {"name": decode_pool(body), "namespace": NAMESPACE, "labels": {}},
             "spec": {"replicas": 3},
         }
     )
     await reconciler.reconcile(body)
-    decode_calls = [verb for verb, kind, name in cluster.calls if (kind, name) == ("Deployment", "demo-decode")]
+    decode_calls = [verb for verb, kind, name in cluster.calls if (kind, name) == ("Deployment", decode_pool(body))]
     assert decode_calls == ["create", "get", "apply"]
     assert [verb for verb, _, _ in cluster.calls].count("get") == 1
     # The apply set never holds the size: the pool keeps what it had.
-    assert cluster.objects[("apps/v1", "Deployment", NAMESPACE, "demo-decode")]["spec"]["replicas"] == 3
+    assert cluster.objects[("apps/v1", "Deployment", NAMESPACE, decode_pool(body))]["spec"]["replicas"] == 3
 
 
 def stray_for(cluster: FakeCluster, owner: dict[str, Any]) -> dict[str, Any]:
@@ -176,3 +186,38 @@ async def test_the_diagnosis_writes_status_when_its_findings_change_not_every_in
     await diagnose_once(reconciler, NAMESPACE, "demo", None)
     assert len(cluster.calls) == 1
     assert owner_of(cluster)["status"]["diagnosis"] == first
+
+
+async def test_a_new_kv_generation_costs_two_creates_and_deletes_nothing_until_it_serves() -> None:
+    cluster = FakeCluster()
+    reconciler, reasons = reconciler_for(cluster)
+    source = {"huggingFace": {"repo": "org/m", "revision": "r1"}}
+    await reconciler.reconcile(cluster.put(deployment(model={"name": "m", "source": source})))
+    old = decode_pool(owner_of(cluster))
+    for key, obj in list(cluster.objects.items()):
+        if key[1] == "Deployment":
+            wanted = obj["spec"].get("replicas", 1)
+            cluster.put({**obj, "status": {"replicas": wanted, "readyReplicas": wanted, "updatedReplicas": wanted}})
+    body = owner_of(cluster)
+    body["spec"]["model"]["source"]["huggingFace"]["revision"] = "r2"
+    body["metadata"]["generation"] = 2
+    cluster.put(body)
+    watch_catches_up(reconciler, cluster)
+    cluster.calls.clear()
+    await reconciler.reconcile(owner_of(cluster))
+    new = decode_pool(owner_of(cluster))
+    assert new != old
+    deployments = [(verb, name) for verb, kind, name in cluster.calls if kind == "Deployment"]
+    assert sorted(deployments) == [("create", new), ("create", new.replace("-decode-", "-prefill-"))]
+    assert not [call for call in cluster.calls if call[0] in ("delete", "scale")]
+    assert reasons[-1] == "RolloutStarted"
+    status = owner_of(cluster)["status"]
+    assert (
+        status["rollout"]["generation"] == new.rsplit("-", 1)[1]
+        and status["kvGeneration"] == status["rollout"]["generation"]
+    )
+    # Nothing changed since: the next reconcile makes no call.
+    watch_catches_up(reconciler, cluster)
+    cluster.calls.clear()
+    await reconciler.reconcile_by_name(NAMESPACE, "demo")
+    assert cluster.calls == []

@@ -143,3 +143,18 @@ def test_with_condition_replaces_by_type_and_keeps_the_transition_time_while_sta
     ]
     assert [(c.status, c.last_transition_time) for c in flipped.conditions] == [("False", "2026-12-04T10:00:00Z")]
     assert first.conditions[0].reason == "MissingSecret"  # a copy: the original is unchanged
+
+
+def test_a_roles_pools_of_two_generations_combine_into_one_observation() -> None:
+    def deployment(desired: int, ready: int, observed: int = 1) -> dict[str, Any]:
+        status = {"replicas": desired, "readyReplicas": ready, "updatedReplicas": desired}
+        return {
+            "metadata": {"generation": 1},
+            "spec": {"replicas": desired},
+            "status": status | {"observedGeneration": observed},
+        }
+
+    combined = PoolObservation.combined([deployment(2, 2), deployment(1, 0, observed=0)])
+    assert combined == PoolObservation(desired=3, replicas=3, ready=2, updated=3, up_to_date=False)
+    assert combined.to_status().summary == "2/3"
+    assert PoolObservation.combined([]) is None

@@ -15,7 +15,14 @@ import pytest
 from splitserve.local.ports import free_port
 from testkit.emulator.client import EmulatorClient, wait_for
 from testkit.emulator.fixtures import EmulatorProcess
-from testkit.operator import NAMESPACE, OperatorProcess, install_crd, operator_requests, reconciles_total
+from testkit.operator import (
+    NAMESPACE,
+    OperatorProcess,
+    install_crd,
+    operator_requests,
+    reconciles_total,
+    worker_pool,
+)
 
 pytestmark = [pytest.mark.emulator, pytest.mark.slow]
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
@@ -73,10 +80,12 @@ def test_a_child_event_and_the_drift_pass_cost_no_call_once_ready(economy: tuple
     client.clear_requests_log()
     before = unchanged_reconciles(metrics_url)
     # The review's case: one annotation on the decode Deployment (a child event), then a few drift passes.
+    decode = worker_pool(client, "calm", "decode")
+    assert decode is not None
     client.patch(
         "apps/v1",
         "deployments",
-        "calm-decode",
+        decode["metadata"]["name"],
         {"metadata": {"annotations": {"example.com/touched": "yes"}}},
         namespace=NAMESPACE,
     )

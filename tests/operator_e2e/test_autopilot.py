@@ -12,7 +12,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
-import sys
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,7 +21,7 @@ import pytest
 
 from testkit.emulator.client import EmulatorClient
 from testkit.emulator.fixtures import EmulatorProcess
-from testkit.operator import NAMESPACE, OperatorProcess, eventually, install_crd
+from testkit.operator import NAMESPACE, OperatorProcess, eventually, operator_on_emulator
 from testkit.prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
@@ -48,26 +47,10 @@ SPECULATIVE_ON = {"engine": {"speculativeDecoding": {"method": "ngram"}}}
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[EmulatorProcess]:
+def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[EmulatorProcess, OperatorProcess]]:
     workdir = tmp_path_factory.mktemp("autopilot")
-    emulator = EmulatorProcess(workdir, fake_controllers=False)
-    emulator.start()
-    with emulator.client() as api:
-        install_crd(api)
-    operator = OperatorProcess(emulator, workdir, env=AUTOPILOT_ENV)
-    operator.start()
-    try:
-        yield emulator
-    finally:
-        operator.stop()
-        emulator.kill()
-        sys.stderr.write(operator.log()[-6000:])
-
-
-@pytest.fixture
-def client(cluster: EmulatorProcess) -> Iterator[EmulatorClient]:
-    with cluster.client() as api:
-        yield api
+    with operator_on_emulator(workdir, env=AUTOPILOT_ENV, fake_controllers=False, log_tail=6000) as cluster:
+        yield cluster
 
 
 class Histogram:
@@ -194,6 +177,13 @@ def events(client: EmulatorClient, name: str, reason: str) -> list[dict[str, Any
     ]
 
 
+async def pool_name(client: EmulatorClient, name: str, role: str) -> str:
+    """`<name>-<role>-<KV generation>`, with the generation the operator reports. It stays the same
+    here: neither the mode nor speculative decoding is a KV generation input."""
+    generation = await eventually(lambda: status(client, name).get("kvGeneration"), "status.kvGeneration")
+    return f"{name}-{role}-{generation}"
+
+
 def mark_ready(client: EmulatorClient, name: str) -> None:
     """What a kubelet and the Deployment controller would report once the pool's engine is up."""
     client.patch(
@@ -212,7 +202,7 @@ async def test_sustained_low_load_turns_speculative_decoding_on_and_dynamic_off_
     name = "spec-on"
     async with telemetry(tmp_path, name, Load(running=2)) as tel:
         written = create(client, name, tel.prometheus.url, mode="aggregated", optimization={"dynamic": True})
-        pool = f"{name}-aggregated"
+        pool = await pool_name(client, name, "aggregated")
         await eventually(lambda: deployment(client, pool), "the aggregated pool")
         assert not speculative(client, pool)
         await eventually(lambda: speculative(client, pool), "speculative decoding turned on")
@@ -252,7 +242,7 @@ async def test_a_veto_keeps_the_setting_and_says_so(client: EmulatorClient, tmp_
         )
         assert "speculative decoding on" in note
         await asyncio.sleep(3)
-        assert not speculative(client, f"{name}-aggregated")
+        assert not speculative(client, await pool_name(client, name, "aggregated"))
         assert status(client, name).get("optimization", []) == []
         assert not events(client, name, "Optimized")
 
@@ -261,7 +251,7 @@ async def test_a_change_that_makes_its_target_metric_worse_is_undone(client: Emu
     name = "undone"
     async with telemetry(tmp_path, name, Load(running=2)) as tel:
         create(client, name, tel.prometheus.url, mode="aggregated", optimization={"dynamic": True})
-        pool = f"{name}-aggregated"
+        pool = await pool_name(client, name, "aggregated")
         await eventually(lambda: speculative(client, pool), "speculative decoding turned on")
         tel.load.itl = 0.15  # p90 0.19 s instead of 0.047 s: much worse
         await eventually(lambda: deployment(client, pool) and not speculative(client, pool), "the change undone")
@@ -283,7 +273,7 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
     name = "switch"
     # Prefill/decode interference: TTFT p90 0.95 s against prefill p90 0.19 s, 20 sequences per worker.
     load = Load(running=20, ttft=0.8, prefill=0.15)
-    workers = {f"{name}-{role}" for role in ("aggregated", "prefill", "decode")}
+    workers: set[str] = set()
     seen: list[set[str]] = []
 
     def worker_deployments() -> set[str]:
@@ -296,32 +286,38 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
 
     async with telemetry(tmp_path, name, load) as tel:
         create(client, name, tel.prometheus.url, mode="aggregated", optimization={"dynamic": True})
-        await eventually(lambda: deployment(client, f"{name}-aggregated"), "the aggregated pool")
-        mark_ready(client, f"{name}-aggregated")
+        aggregated, prefill, decode = [
+            await pool_name(client, name, role) for role in ("aggregated", "prefill", "decode")
+        ]
+        workers.update((aggregated, prefill, decode))
+        await eventually(lambda: deployment(client, aggregated), "the aggregated pool")
+        mark_ready(client, aggregated)
+        assert "--no-prefill-pool" in engine_args(client, f"{name}-router")
         watcher = asyncio.create_task(watch())
         try:
             await eventually(
-                lambda: deployment(client, f"{name}-prefill") and deployment(client, f"{name}-decode"),
+                lambda: deployment(client, prefill) and deployment(client, decode),
                 "the disaggregated pools created",
             )
             assert status(client, name)["autopilot"]["overrides"] == {"mode": "disaggregated"}
-            # The router is applied after the pools in the same reconcile: it learns the prefill Service.
+            # The router is applied after the pools in the same reconcile: it learns of the prefill pool
+            # (it discovers worker Pods; aggregated, it was told there is no prefill pool).
             await eventually(
-                lambda: any(arg.startswith("--prefill-service=") for arg in engine_args(client, f"{name}-router")),
-                "the router told about the prefill Service",
+                lambda: "--no-prefill-pool" not in engine_args(client, f"{name}-router"),
+                "the router told about the prefill pool",
             )
             # The new pools are not ready: the aggregated pool keeps serving, and status says so.
             await asyncio.sleep(3)
-            assert deployment(client, f"{name}-aggregated") is not None
+            assert deployment(client, aggregated) is not None
             during = status(client, name)
             assert during["mode"] == "aggregated"
             progressing = next(c for c in during["conditions"] if c["type"] == "Progressing")
             assert progressing["reason"] == "SwitchingMode"
-            mark_ready(client, f"{name}-prefill")
+            mark_ready(client, prefill)
             await asyncio.sleep(2)
-            assert deployment(client, f"{name}-aggregated") is not None, "decode is not ready yet"
-            mark_ready(client, f"{name}-decode")
-            await eventually(lambda: deployment(client, f"{name}-aggregated") is None, "the old pool removed")
+            assert deployment(client, aggregated) is not None, "decode is not ready yet"
+            mark_ready(client, decode)
+            await eventually(lambda: deployment(client, aggregated) is None, "the old pool removed")
             await eventually(lambda: status(client, name)["mode"] == "disaggregated", "status.mode switched")
         finally:
             watcher.cancel()
@@ -329,9 +325,9 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
                 await watcher
         observed = [names for names in seen if names]
         assert observed and all(names for names in seen), "there was a moment with no worker Deployment"
-        assert observed[0] == {f"{name}-aggregated"} and observed[-1] == {f"{name}-prefill", f"{name}-decode"}
+        assert observed[0] == {aggregated} and observed[-1] == {prefill, decode}
         switched = await eventually(lambda: events(client, name, "ModeSwitched"), "a ModeSwitched Event")
-        assert f"{name}-aggregated" in switched[0]["message"]
+        assert aggregated in switched[0]["message"]
         entry = status(client, name)["optimization"][-1]
         assert entry["kind"] == "mode" and entry["numbers"]["ttft_inflation"] == pytest.approx(5.0, rel=0.1)
         assert client.get(*IDEP, name, namespace=NAMESPACE)["spec"]["mode"] == "aggregated"
@@ -342,13 +338,13 @@ async def test_aggregated_to_disaggregated_is_make_before_break(client: Emulator
         watcher = asyncio.create_task(watch())
         try:
             client.patch(*IDEP, name, {"spec": {"optimization": {"dynamic": False}}}, namespace=NAMESPACE)
-            await eventually(lambda: deployment(client, f"{name}-aggregated"), "the aggregated pool again")
+            await eventually(lambda: deployment(client, aggregated), "the aggregated pool again")
             await asyncio.sleep(2)
-            assert deployment(client, f"{name}-decode") is not None, "decode serves until aggregated is ready"
+            assert deployment(client, decode) is not None, "decode serves until aggregated is ready"
             assert client.get_or_none("v1", "services", f"{name}-prefill", namespace=NAMESPACE) is not None
-            mark_ready(client, f"{name}-aggregated")
+            mark_ready(client, aggregated)
             await eventually(
-                lambda: deployment(client, f"{name}-decode") is None and deployment(client, f"{name}-prefill") is None,
+                lambda: deployment(client, decode) is None and deployment(client, prefill) is None,
                 "the disaggregated pools removed",
             )
         finally:
@@ -368,8 +364,9 @@ async def test_dynamic_off_changes_nothing(client: EmulatorClient, tmp_path: Pat
     name = "static"
     async with telemetry(tmp_path, name, Load(running=2)) as tel:
         create(client, name, tel.prometheus.url, mode="aggregated")
-        await eventually(lambda: deployment(client, f"{name}-aggregated"), "the aggregated pool")
+        pool = await pool_name(client, name, "aggregated")
+        await eventually(lambda: deployment(client, pool), "the aggregated pool")
         await asyncio.sleep(8)  # twice the evidence window, sampled every second if the autopilot ran
-        assert not speculative(client, f"{name}-aggregated")
+        assert not speculative(client, pool)
         observed = status(client, name)
         assert "autopilot" not in observed and observed.get("optimization", []) == []

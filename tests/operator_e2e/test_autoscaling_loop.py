@@ -14,7 +14,7 @@ import pytest
 
 from testkit.emulator.client import EmulatorClient
 from testkit.emulator.fixtures import EmulatorProcess
-from testkit.operator import NAMESPACE, OperatorProcess, eventually
+from testkit.operator import NAMESPACE, OperatorProcess, eventually, worker_pool
 from testkit.prometheus import PrometheusServer, ScrapeTarget, StaticExporter, requires_prometheus
 
 pytestmark = [requires_prometheus, pytest.mark.prometheus, pytest.mark.emulator, pytest.mark.slow]
@@ -54,7 +54,7 @@ async def exporters() -> AsyncIterator[dict[str, StaticExporter]]:
 
 
 def replicas(client: EmulatorClient, pool: str) -> int:
-    deployment = client.get_or_none("apps/v1", "deployments", f"{NAME}-{pool}", namespace=NAMESPACE) or {}
+    deployment = worker_pool(client, NAME, pool) or {}
     return int(deployment.get("spec", {}).get("replicas", -1))
 
 

@@ -10,7 +10,7 @@ import pytest
 
 from testkit.emulator.client import EmulatorClient, wait_for
 from testkit.emulator.fixtures import EmulatorProcess, Kubectl
-from testkit.operator import NAMESPACE, OperatorProcess
+from testkit.operator import NAMESPACE, OperatorProcess, worker_pool
 
 pytestmark = [pytest.mark.emulator, pytest.mark.slow]
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
@@ -53,6 +53,12 @@ def deployment(client: EmulatorClient, name: str) -> dict[str, Any] | None:
     return client.get_or_none("apps/v1", "deployments", name, namespace=NAMESPACE)
 
 
+def pool_name(client: EmulatorClient, name: str, role: str) -> str:
+    """The worker Deployment's name (`<name>-<role>-<KV generation>`), once it exists."""
+    found: dict[str, Any] = wait_for(lambda: worker_pool(client, name, role), timeout=TIMEOUT, message=f"{role} pool")
+    return str(found["metadata"]["name"])
+
+
 def children(client: EmulatorClient, name: str) -> dict[tuple[str, str], dict[str, Any]]:
     found = {}
     for api_version, plural in [
@@ -79,8 +85,11 @@ def test_create_update_drift_and_delete(
     assert ready["observedGeneration"] == created["metadata"]["generation"]
 
     objects = children(client, "llm")
-    assert {name for _, name in objects} >= {"llm-prefill", "llm-decode", "llm-router", "llm-workers"}
-    assert ("deployments", "llm-prefill") in objects and ("roles", "llm-router") in objects
+    prefill, decode = pool_name(client, "llm", "prefill"), pool_name(client, "llm", "decode")
+    generation = client.get(*IDEP, "llm", namespace=NAMESPACE)["status"]["kvGeneration"]
+    assert (prefill, decode) == (f"llm-prefill-{generation}", f"llm-decode-{generation}")
+    assert {name for _, name in objects} >= {"llm-prefill", "llm-decode", "llm-router", "llm-workers"}  # Services
+    assert ("deployments", prefill) in objects and ("roles", "llm-router") in objects
     for obj in objects.values():
         (ref,) = obj["metadata"]["ownerReferences"]
         assert (ref["kind"], ref["name"], ref["uid"], ref["controller"]) == (
@@ -101,13 +110,14 @@ def test_create_update_drift_and_delete(
         "Degraded",
     }
 
-    # Update: only the decode pool's template changes.
-    before = {name: deployment(client, f"llm-{name}") for name in ("prefill", "decode", "router")}
+    # Update: only the decode pool's template changes (the same KV generation: the same Deployments).
+    names = {"prefill": prefill, "decode": decode, "router": "llm-router"}
+    before = {name: deployment(client, names[name]) for name in ("prefill", "decode", "router")}
     client.patch(*IDEP, "llm", {"spec": {"decode": {"extraArgs": ["--max-num-seqs", "64"]}}}, namespace=NAMESPACE)
     wait_for(
         lambda: (
             "--max-num-seqs"
-            in (deployment(client, "llm-decode") or {})
+            in (deployment(client, decode) or {})
             .get("spec", {})
             .get("template", {})
             .get("spec", {})
@@ -117,7 +127,7 @@ def test_create_update_drift_and_delete(
         timeout=TIMEOUT,
         message="decode args updated",
     )
-    after = {name: deployment(client, f"llm-{name}") for name in ("prefill", "decode", "router")}
+    after = {name: deployment(client, names[name]) for name in ("prefill", "decode", "router")}
     for name in ("prefill", "router"):
         assert after[name]["spec"]["template"] == before[name]["spec"]["template"], name  # type: ignore[index]
         assert after[name]["metadata"]["generation"] == before[name]["metadata"]["generation"], name  # type: ignore[index]
@@ -131,8 +141,8 @@ def test_create_update_drift_and_delete(
     )
 
     # Drift: a Deployment deleted by hand comes back; a Service edited by hand is put back.
-    client.delete("apps/v1", "deployments", "llm-decode", namespace=NAMESPACE)
-    wait_for(lambda: deployment(client, "llm-decode"), timeout=TIMEOUT, message="decode restored")
+    client.delete("apps/v1", "deployments", decode, namespace=NAMESPACE)
+    wait_for(lambda: deployment(client, decode), timeout=TIMEOUT, message="decode restored")
     client.patch("v1", "services", "llm-router", {"spec": {"type": "NodePort"}}, namespace=NAMESPACE)
     wait_for(
         lambda: client.get("v1", "services", "llm-router", namespace=NAMESPACE)["spec"]["type"] == "ClusterIP",
@@ -144,7 +154,7 @@ def test_create_update_drift_and_delete(
     client.patch(
         "apps/v1",
         "deployments",
-        "llm-decode",
+        decode,
         {"metadata": {"annotations": {"emulator.splitserve.io/ready": "false"}}},
         namespace=NAMESPACE,
     )
@@ -153,8 +163,8 @@ def test_create_update_drift_and_delete(
 
     # Mode switch prunes the pools that are no longer wanted.
     client.patch(*IDEP, "llm", {"spec": {"mode": "aggregated"}}, namespace=NAMESPACE)
-    wait_for(lambda: deployment(client, "llm-aggregated"), timeout=TIMEOUT, message="aggregated pool")
-    wait_for(lambda: deployment(client, "llm-prefill") is None, timeout=TIMEOUT, message="prefill pruned")
+    wait_for(lambda: deployment(client, f"llm-aggregated-{generation}"), timeout=TIMEOUT, message="aggregated pool")
+    wait_for(lambda: deployment(client, prefill) is None, timeout=TIMEOUT, message="prefill pruned")
     wait_for(
         lambda: client.get_or_none("v1", "services", "llm-prefill", namespace=NAMESPACE) is None,
         timeout=TIMEOUT,
@@ -174,7 +184,7 @@ def test_missing_secret_degrades_then_recovers(client: EmulatorClient) -> None:
     degraded = wait_condition(client, "gated", "Degraded", "True", "MissingSecret")
     assert "Secret hf" in degraded["message"]
     wait_condition(client, "gated", "Ready", "False", "MissingSecret")
-    assert deployment(client, "gated-decode") is None, "nothing half-applied while a prerequisite is missing"
+    assert worker_pool(client, "gated", "decode") is None, "nothing half-applied while a prerequisite is missing"
     wait_for(
         lambda: any(e.get("reason") == "MissingSecret" for e in client.list("v1", "events", namespace=NAMESPACE)),
         timeout=TIMEOUT,
@@ -223,6 +233,15 @@ def test_operator_recovers_after_api_server_restart(
     assert operator.alive
 
 
+def columns(header: str, row: str) -> dict[str, str]:
+    """A `kubectl get` row by column: cells start where their header starts (a cell may be empty)."""
+    starts = [
+        index for index in range(len(header)) if header[index] != " " and (index == 0 or header[index - 1] == " ")
+    ]
+    ends = [*starts[1:], None]
+    return {header[a:b].strip(): row[a:b].strip() for a, b in zip(starts, ends, strict=True)}
+
+
 def test_kubectl_shows_printer_columns(
     cluster: tuple[EmulatorProcess, OperatorProcess], client: EmulatorClient
 ) -> None:
@@ -231,17 +250,22 @@ def test_kubectl_shows_printer_columns(
     kubectl = Kubectl(cluster[0], namespace=NAMESPACE)
     output = kubectl("get", "idep", "shown").stdout
     header, row = output.strip().splitlines()
-    assert header.split() == ["NAME", "READY", "MODE", "PREFILL", "DECODE", "ENDPOINT", "AGE"]
-    assert row.split()[:6] == [
-        "shown",
-        "True",
-        "disaggregated",
-        "1/1",
-        "1/1",
-        f"http://shown-router.{NAMESPACE}.svc:8000/v1",
-    ]
+    assert header.split() == ["NAME", "READY", "MODE", "PREFILL", "DECODE", "ROLLOUT", "ENDPOINT", "AGE"]
+    assert columns(header, row) == {
+        "NAME": "shown",
+        "READY": "True",
+        "MODE": "disaggregated",
+        "PREFILL": "1/1",
+        "DECODE": "1/1",
+        "ROLLOUT": columns(header, row)["ROLLOUT"],
+        "ENDPOINT": f"http://shown-router.{NAMESPACE}.svc:8000/v1",
+        "AGE": columns(header, row)["AGE"],
+    }
+    assert columns(header, row)["ROLLOUT"] in ("", "<none>"), "no rollout in progress: nothing to show"
     wide = kubectl("get", "idep", "shown", "-o", "wide").stdout
-    assert "DIAGNOSIS" in wide.splitlines()[0]
+    assert "DIAGNOSIS" in wide.splitlines()[0] and "GENERATION" in wide.splitlines()[0]
+    generation = client.get(*IDEP, "shown", namespace=NAMESPACE)["status"]["kvGeneration"]
+    assert len(generation) == 10 and generation in wide.splitlines()[1]
 
 
 def test_scaling_a_pool_in_the_spec_scales_its_deployment(client: EmulatorClient) -> None:
@@ -249,7 +273,7 @@ def test_scaling_a_pool_in_the_spec_scales_its_deployment(client: EmulatorClient
     wait_condition(client, "scaled", "Ready", "True")
     client.patch(*IDEP, "scaled", {"spec": {"decode": {"replicas": 3}}}, namespace=NAMESPACE)
     wait_for(
-        lambda: (deployment(client, "scaled-decode") or {}).get("spec", {}).get("replicas") == 3,
+        lambda: (worker_pool(client, "scaled", "decode") or {}).get("spec", {}).get("replicas") == 3,
         timeout=TIMEOUT,
         message="decode scaled to 3",
     )
@@ -266,7 +290,8 @@ def test_kubectl_scale_is_honoured_until_the_spec_changes(
     client.create(idep("manual", decode={"replicas": 1, "maxReplicas": 4}))
     wait_condition(client, "manual", "Ready", "True")
     kubectl = Kubectl(cluster[0], namespace=NAMESPACE)
-    kubectl("scale", "deployment", "manual-decode", "--replicas=2")
+    decode = pool_name(client, "manual", "decode")
+    kubectl("scale", "deployment", decode, "--replicas=2")
     wait_for(
         lambda: client.get(*IDEP, "manual", namespace=NAMESPACE)["status"]["decode"]["summary"] == "2/2",
         timeout=TIMEOUT,
@@ -279,20 +304,20 @@ def test_kubectl_scale_is_honoured_until_the_spec_changes(
         timeout=TIMEOUT,
         message="second generation reconciled",
     )
-    assert deployment(client, "manual-decode")["spec"]["replicas"] == 2  # type: ignore[index]
-    for entry in deployment(client, "manual-decode")["metadata"]["managedFields"]:  # type: ignore[index]
+    assert deployment(client, decode)["spec"]["replicas"] == 2  # type: ignore[index]
+    for entry in deployment(client, decode)["metadata"]["managedFields"]:  # type: ignore[index]
         if entry["manager"] == "splitserve-operator":
             assert "f:replicas" not in entry.get("fieldsV1", {}).get("f:spec", {}), "the apply set owns replicas"
     # Changing the declared count in the spec is a new intent: it wins.
     client.patch(*IDEP, "manual", {"spec": {"decode": {"replicas": 3}}}, namespace=NAMESPACE)
     wait_for(
-        lambda: (deployment(client, "manual-decode") or {}).get("spec", {}).get("replicas") == 3,
+        lambda: (deployment(client, decode) or {}).get("spec", {}).get("replicas") == 3,
         timeout=TIMEOUT,
         message="spec change applied",
     )
     wait_for(
         lambda: any(
-            e.get("reason") == "Scaled" and "manual-decode" in e.get("message", "")
+            e.get("reason") == "Scaled" and decode in e.get("message", "")
             for e in client.list("v1", "events", namespace=NAMESPACE)
         ),
         timeout=TIMEOUT,
@@ -315,7 +340,7 @@ def test_a_model_that_cannot_fit_degrades_and_nothing_is_applied(client: Emulato
     client.create(idep("big", **spec))
     degraded = wait_condition(client, "big", "Degraded", "True", "ModelDoesNotFit")
     assert "does not fit" in degraded["message"] and "TP" in degraded["message"]
-    assert deployment(client, "big-prefill") is None and deployment(client, "big-decode") is None
+    assert worker_pool(client, "big", "prefill") is None and worker_pool(client, "big", "decode") is None
     tp4 = {"tensorParallelSize": 4, "resources": {"gpus": 4}, "nodeSelector": h100}
     client.patch(*IDEP, "big", {"spec": {"prefill": tp4, "decode": tp4}}, namespace=NAMESPACE)
     wait_condition(client, "big", "Ready", "True")

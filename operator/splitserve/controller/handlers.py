@@ -7,7 +7,9 @@
   a child deleted or edited by hand and rolls its status up;
 - a slow timer: the same reconcile from the cache, catching drift missed by nothing in particular;
 - the built-in autoscaler (a daemon), the diagnosis (a slow timer) and, only while
-  spec.optimization.dynamic is on, the autopilot (a timer, SPLITSERVE_AUTOPILOT_* knobs).
+  spec.optimization.dynamic is on, the autopilot (a timer, SPLITSERVE_AUTOPILOT_* knobs);
+- only while spec.rollout.analysis is set, the rollout analysis (a daemon; it queries Prometheus only
+  while a rollout is under way).
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from splitserve.api.topology import CHILD_RESOURCES, FIELD_MANAGER, LABEL_DEPLOY
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.builders.target import Images
 from splitserve.controller.coalesce import Coalescer
+from splitserve.controller.loops.analysis import ScalarSource, analyse_once, analysis_settings, interval_seconds
 from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
 from splitserve.controller.loops.autoscaler import autoscale_once, builtin_autoscaling
 from splitserve.controller.loops.diagnosis import diagnose_once
@@ -40,6 +43,8 @@ DRIFT_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DRIFT_INTERVAL_SECONDS
 COALESCE_SECONDS = float(os.environ.get("SPLITSERVE_COALESCE_SECONDS", "0.2"))
 # Diagnosis reads minutes of telemetry; more often would only repeat itself. Tests shorten it.
 DIAGNOSIS_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS", "300"))
+# Rollout analysis passes: unset, min(30 s, windowSeconds / 4) (loops/analysis.py); tests shorten it.
+ANALYSIS_INTERVAL_SECONDS = float(os.environ.get("SPLITSERVE_ANALYSIS_INTERVAL_SECONDS", "0")) or None
 # One telemetry sample per run; the policy's windows are what make evidence "sustained". Tests shorten all.
 AUTOPILOT = AutopilotSettings.from_environment()
 # Typed loosely: kopf.PRESENT is a filter token, not a str.
@@ -110,7 +115,8 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     memo.coalescer = Coalescer(
         lambda namespace, name, full: _reconcile_owner(reconciler, namespace, name, full), COALESCE_SECONDS
     )
-    # (namespace, name) -> (uid, generation) last asked for: a new one is a spec change to reconcile.
+    # (namespace, name) -> (uid, generation, rollout generation, paused) last asked for: a new one is a
+    # spec change (or a rollout paused) to reconcile.
     memo.generations = {}
 
 
@@ -151,10 +157,15 @@ async def deployment_event(
         reconciler.cache.gone(body)  # its status writes must not outlive it in the cache
         return
     meta = body["metadata"]
-    seen = (meta.get("uid"), meta.get("generation"))
-    if memo.generations.get(key) != seen:
+    # A paused (or resumed) rollout is a status write by another hand (the rollout analysis, or a
+    # person with `kubectl patch --subresource=status`) that the pools must follow at once.
+    rollout = (body.get("status") or {}).get("rollout") or {}
+    seen = (meta.get("uid"), meta.get("generation"), rollout.get("generation"), bool(rollout.get("paused")))
+    before = memo.generations.get(key)
+    if before != seen:
         memo.generations[key] = seen
-        memo.coalescer.request(namespace, name, full=True)
+        # Only a new spec (or first sight) re-reads the prerequisites; a pause is a plain reconcile.
+        memo.coalescer.request(namespace, name, full=before is None or before[:2] != seen[:2])
 
 
 @kopf.timer(API_GROUP, API_VERSION, PLURAL, interval=DRIFT_INTERVAL_SECONDS, initial_delay=DRIFT_INTERVAL_SECONDS)
@@ -246,3 +257,31 @@ async def autopilot_timer(namespace: str | None, name: str, spec: kopf.Spec, mem
         await optimize_once(
             _bind(memo, kwargs), namespace, name, client, memo["autopilot_samples"], time.time(), AUTOPILOT
         )
+
+
+def _rollout_analysis(spec: kopf.Spec, **_: Any) -> bool:
+    return analysis_settings(dict(spec)) is not None
+
+
+@kopf.daemon(API_GROUP, API_VERSION, PLURAL, when=_rollout_analysis, cancellation_timeout=10)
+async def rollout_analysis(
+    stopped: kopf.DaemonStopped, namespace: str | None, name: str, spec: kopf.Spec, memo: kopf.Memo, **kwargs: Any
+) -> None:
+    """spec.rollout.analysis: judge a rollout's new generation against the old, pause it on a regression."""
+    if namespace is None:
+        return
+
+    def client_for(url: str) -> ScalarSource:
+        # Cheap: the clients share the operator's pooled HTTP client (and closing one leaves it open).
+        return PrometheusClient(url, http=memo.prometheus_http)
+
+    while not stopped:
+        # The coalescer, not a reconcile here: it serialises with the other reasons to reconcile and retries.
+        await analyse_once(
+            _bind(memo, kwargs),
+            namespace,
+            name,
+            client_for,
+            reconcile=lambda ns, owner: memo.coalescer.request(ns, owner),
+        )
+        await stopped.wait(ANALYSIS_INTERVAL_SECONDS or interval_seconds(dict(spec)))

@@ -2,14 +2,16 @@
 
 `plan_writes` (create, apply or resize each desired child), `plan_mode_switch` (make-before-break
 between modes), `plan_prune` (owned children nobody wants) and `plan_status` (the status to write).
-reconcile.py reads the cache, calls these and performs what they return.
+A new KV generation's make-before-break rollout is planned in rollout.py (its pool sizes go through
+plan_writes, its status parts through plan_status). reconcile.py reads the cache, calls these and
+performs what they return.
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode, Role
 from splitserve.api.status import (
@@ -20,10 +22,8 @@ from splitserve.api.status import (
 )
 from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
-    LABEL_ROLE,
     ROUTER_ROLE,
     Owner,
-    pool_name,
     prefill_service_name,
     role_pool,
     router_endpoint,
@@ -31,16 +31,29 @@ from splitserve.api.topology import (
     worker_roles,
 )
 from splitserve.builders.bundle import child_key
+from splitserve.controller.children import ChildKey, Children, Write, owned_by, worker_pools, worker_role
 from splitserve.controller.drift import contains
+from splitserve.controller.rollout import RolloutPlan, with_generations
 from splitserve.controller.rollup import PoolObservation, roll_up
 from splitserve.optimization.overrides import active_overrides
 
-# (apiVersion, kind, name) of a child inside its owner's namespace.
-ChildKey = tuple[str, str, str]
-Children = Mapping[ChildKey, Mapping[str, Any]]
+__all__ = [
+    "PRUNABLE_KINDS",
+    "ChildKey",
+    "Children",
+    "ModeSwitch",
+    "StatusInput",
+    "Write",
+    "owned_by",
+    "plan_mode_switch",
+    "plan_prune",
+    "plan_status",
+    "plan_writes",
+    "worker_role",
+]
 
-# Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend):
-# these are pruned; the others always exist with a fixed name.
+# Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend, KV
+# generation): these are pruned; the others always exist with a fixed name.
 PRUNABLE_KINDS: list[tuple[str, str]] = [
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
@@ -52,52 +65,43 @@ PRUNABLE_KINDS: list[tuple[str, str]] = [
 ]
 
 
-@dataclass(frozen=True)
-class Write:
-    """One call the reconcile makes for a child.
-
-    - create: a new worker pool, sized by the scaler's field manager (the operator's apply set never
-      holds spec.replicas, see builders.workers);
-    - apply: server-side apply of the desired object;
-    - scale: `replicas` through /scale.
-    """
-
-    verb: Literal["create", "apply", "scale"]
-    obj: Mapping[str, Any]
-    replicas: int | None = None
-    reason: str = ""  # the Event's reason, "" for none
-    message: str = ""
-
-
-def worker_role(child: Mapping[str, Any]) -> Role | None:
-    """The role of a worker pool Deployment, or None for anything else (incl. the router)."""
-    if child["kind"] != "Deployment":
-        return None
-    role = child["metadata"].get("labels", {}).get(LABEL_ROLE)
-    return Role(role) if role in {r.value for r in Role} else None
-
-
-def plan_writes(spec: InferenceDeploymentSpec, desired: list[dict[str, Any]], children: Children) -> list[Write]:
-    """The writes that make the children match `desired`: none for a child that already carries it."""
+def plan_writes(
+    spec: InferenceDeploymentSpec,
+    desired: list[dict[str, Any]],
+    children: Children,
+    sizes: Mapping[str, int] | None = None,
+) -> list[Write]:
+    """The writes that make the children match `desired`: none for a child that already carries it.
+    `sizes` (worker Deployment name -> replicas): a rollout sizes those pools, not the spec's count."""
     writes: list[Write] = []
+    sizes = sizes or {}
     for child in desired:
         name = child["metadata"]["name"]
         observed = children.get(child_key(child))
         role = worker_role(child)
         if observed is None and role is not None:
             declared = int(child["metadata"]["annotations"][ANNOTATION_DECLARED_REPLICAS])
-            sized = {**child, "spec": {**child["spec"], "replicas": declared}}
-            writes.append(Write("create", sized, declared, "Created", f"{child['kind']} {name} ({declared} replicas)"))
+            size = sizes.get(name, declared)
+            sized = {**child, "spec": {**child["spec"], "replicas": size}}
+            writes.append(Write("create", sized, size, "Created", f"{child['kind']} {name} ({size} replicas)"))
             continue
         if observed is None:
             writes.append(Write("apply", child, None, "Created", f"{child['kind']} {name}"))
         elif not contains(observed, child):
             writes.append(Write("apply", child, None, *change_event(observed, child)))
         if observed is not None and role is not None:
-            resize = plan_size(spec, role, child, observed)
+            resize = rollout_size(observed, sizes[name]) if name in sizes else plan_size(spec, role, child, observed)
             if resize is not None:
                 writes.append(resize)
     return writes
+
+
+def rollout_size(observed: Mapping[str, Any], wanted: int) -> Write | None:
+    current = int(observed.get("spec", {}).get("replicas", 1))
+    if wanted == current:
+        return None
+    name = observed["metadata"]["name"]
+    return Write("scale", observed, wanted, "Scaled", f"rollout: scaled {name} from {current} to {wanted}")
 
 
 def plan_size(
@@ -136,10 +140,6 @@ def change_event(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> tup
     return "Updated", f"updated {label} to match the spec"
 
 
-def owned_by(obj: Mapping[str, Any], owner: Owner) -> bool:
-    return any(ref.get("uid") == owner.uid for ref in obj["metadata"].get("ownerReferences", []))
-
-
 def serving(deployment: Mapping[str, Any]) -> bool:
     """A pool is serving once it has a ready replica, or when it is sized to zero on purpose."""
     wanted = int(deployment.get("spec", {}).get("replicas", 1))
@@ -159,23 +159,19 @@ class ModeSwitch:
         return bool(self.keep)
 
 
-def plan_mode_switch(spec: InferenceDeploymentSpec, owner: Owner, children: Children) -> ModeSwitch:
-    """Make-before-break after a mode change.
+def plan_mode_switch(spec: InferenceDeploymentSpec, owner: Owner, children: Children, generation: str) -> ModeSwitch:
+    """Make-before-break after a mode change within KV generation `generation`.
 
-    Worker Deployments of roles the mode no longer has (and the prefill Service when going
-    aggregated) stay until each new pool has a ready replica (or is sized to zero). The router keeps
-    serving meanwhile: decode and aggregated workers share the decode Service, and a router without
-    prefill workers sends requests whole to decode. Deleting the old pool then lets its pods leave
-    the EndpointSlices as terminating and drain (preStop pause, then the worker's drain).
+    Worker Deployments of that generation whose role the mode no longer has (and the prefill
+    Service when going aggregated) stay until each new pool has a ready replica (or is sized to
+    zero). The router keeps serving meanwhile: decode and aggregated workers share the decode
+    Service, and a router without prefill workers sends requests whole to decode. Deleting the old
+    pool then lets its pods leave the EndpointSlices as terminating and drain (preStop pause, then
+    the worker's drain). Pools of other generations are the rollout's (controller.rollout).
     """
     wanted = worker_roles(spec)
-    leftovers = [
-        found
-        for role in Role
-        if role not in wanted
-        and (found := children.get(("apps/v1", "Deployment", pool_name(owner.name, role)))) is not None
-        and owned_by(found, owner)
-    ]
+    ours = {role: obj for found, role, obj in worker_pools(children, owner) if found == generation}
+    leftovers = [obj for role, obj in ours.items() if role not in wanted]
     if not leftovers:
         return ModeSwitch()
     if spec.mode == Mode.AGGREGATED:
@@ -183,7 +179,7 @@ def plan_mode_switch(spec: InferenceDeploymentSpec, owner: Owner, children: Chil
         if service is not None and owned_by(service, owner):
             leftovers.append(service)
     for role in wanted:
-        pool = children.get(("apps/v1", "Deployment", pool_name(owner.name, role)))
+        pool = ours.get(role)
         if pool is None or not serving(pool):
             return ModeSwitch(keep=frozenset(child_key(dict(obj)) for obj in leftovers), waiting_for=role)
     return ModeSwitch(remove=tuple(leftovers))
@@ -197,6 +193,12 @@ def plan_prune(children: Children, wanted: set[ChildKey], owner: Owner) -> list[
         for key, obj in sorted(children.items())
         if (key[0], key[1]) in prunable and key not in wanted and owned_by(obj, owner)
     ]
+
+
+def is_ours(obj: Mapping[str, Any], uid: str | None) -> bool:
+    """Owned by the InferenceDeployment with `uid`; any labelled one when the uid is not known."""
+    references = obj["metadata"].get("ownerReferences")
+    return uid is None or not references or any(ref.get("uid") == uid for ref in references)
 
 
 def declared_mode(body: Mapping[str, Any]) -> Mode:
@@ -222,6 +224,7 @@ class StatusInput:
     written: InferenceDeploymentSpec | None = None  # the CR's own spec
     invalid_overrides: bool = False
     serving_mode: Mode | None = None  # set during a mode switch: the previous mode's pools still serve
+    rollout: RolloutPlan | None = None  # the generations' plan: status.kvGeneration, generations, rollout
 
 
 def plan_status(inp: StatusInput) -> StatusPlan:
@@ -232,8 +235,12 @@ def plan_status(inp: StatusInput) -> StatusPlan:
     generation = int(meta.get("generation", 0))
 
     def pool(component: str) -> PoolObservation | None:
-        deployment_name = router_name(name) if component == ROUTER_ROLE else pool_name(name, component)
-        return PoolObservation.from_deployment(inp.children.get(("apps/v1", "Deployment", deployment_name)))
+        if component == ROUTER_ROLE:
+            return PoolObservation.from_deployment(inp.children.get(("apps/v1", "Deployment", router_name(name))))
+        # A role's pools of every KV generation together: during a rollout both serve.
+        return PoolObservation.combined(
+            obj for _, role, obj in worker_pools(inp.children) if role == component and is_ours(obj, meta.get("uid"))
+        )
 
     mode = inp.serving_mode or (inp.spec.mode if inp.spec is not None else declared_mode(inp.body))
     status = roll_up(
@@ -255,6 +262,16 @@ def plan_status(inp: StatusInput) -> StatusPlan:
             f"serving {inp.serving_mode} until every {inp.spec.mode} pool has a ready replica",
             now=inp.now,
             generation=generation,
+        )
+    if inp.rollout is not None:
+        status = with_generations(
+            status,
+            inp.rollout,
+            inp.children,
+            Owner(name, namespace, meta.get("uid")),
+            previous,
+            now=inp.now,
+            observed_generation=generation,
         )
     event = None
     if inp.written is not None and previous.autopilot is not None:

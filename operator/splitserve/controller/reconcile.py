@@ -17,7 +17,7 @@ import datetime
 import json
 import logging
 from collections.abc import Awaitable, Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any
 
 from pydantic import ValidationError
@@ -40,6 +40,7 @@ from splitserve.controller.plan import (
     plan_status,
     plan_writes,
 )
+from splitserve.controller.rollout import RolloutPlan, plan_rollout
 from splitserve.diagnosis.fit import model_fit_problem
 from splitserve.io.kube import KubeClient, KubeError
 from splitserve.optimization.overrides import effective_spec, merge_patch_between, servable
@@ -150,8 +151,10 @@ class Reconciler:
         written = verdict
         spec, invalid = await self._effective(body, written)
 
-        def status(problem: Problem | None, serving_mode: Mode | None = None) -> StatusInput:
-            return StatusInput(body, children, spec, problem, utc_now(), written, invalid, serving_mode)
+        def status(
+            problem: Problem | None, serving_mode: Mode | None = None, rollout: RolloutPlan | None = None
+        ) -> StatusInput:
+            return StatusInput(body, children, spec, problem, utc_now(), written, invalid, serving_mode, rollout)
 
         missing = await self._missing_prerequisites(spec, owner.namespace) if prerequisites else None
         if missing is not None:
@@ -167,15 +170,20 @@ class Reconciler:
             self.metrics.reconciles.labels("degraded").inc()
             return
         # build, then plan the writes against what the cache holds
-        desired = build_children(Target(owner, spec, self.images))
-        writes = plan_writes(spec, desired, children)
+        target = Target(owner, spec, self.images)
+        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        # Make-before-break: a new KV generation's pools come up beside the old ones, which drain.
+        rollout = plan_rollout(spec, owner, children, target.generation, build_children(target), previous)
+        writes = [*plan_writes(spec, rollout.desired, children, rollout.sizes), *rollout.writes]
         # Make-before-break: after a mode switch the old pools serve until the new ones are ready.
-        switch = plan_mode_switch(spec, owner, children)
-        wanted = {child_key(child) for child in desired} | switch.keep
+        switch = plan_mode_switch(spec, owner, children, target.generation)
+        wanted = {child_key(child) for child in rollout.desired} | switch.keep | rollout.keep
         # Never prune on the strength of a cache that has not been listed once: a child missing from it
         # is unknown, not unwanted. (kopf runs no handler before its indexes are listed, so in the
         # operator this only guards callers that bypass it.)
         strays = plan_prune(children, wanted, owner) if prune and self.cache.synced else []
+        removed = {child_key(dict(obj)) for obj in rollout.remove}
+        strays = [obj for obj in strays if child_key(dict(obj)) not in removed]
 
         # apply
         failures = await self._perform(body, owner, writes)
@@ -191,16 +199,21 @@ class Reconciler:
                 owner.name,
                 switch.waiting_for,
             )
+        for obj in rollout.remove:
+            await self._delete(owner, obj)
         for obj in strays:
             await self._delete(owner, obj)
+        for kind, reason, message in rollout.events:
+            await self.post(body, kind, reason, message)
         problem = Problem("ApplyFailed", "; ".join(failures)) if failures else None
         # While the old pools are kept they are what serves: status reports that mode until the switch ends.
         previous_mode = Mode.AGGREGATED if spec.mode == Mode.DISAGGREGATED else Mode.DISAGGREGATED
+        deleted = bool(switch.remove or rollout.remove or strays)
         wrote_status = await self._write_status(
-            status(problem, previous_mode if switch.switching else None),
-            children=self.cache.owned(owner.namespace, owner.name) if writes else children,
+            status(problem, previous_mode if switch.switching else None, rollout),
+            children=self.cache.owned(owner.namespace, owner.name) if writes or deleted else children,
         )
-        changed = bool(writes or switch.remove or strays or wrote_status)
+        changed = bool(writes or deleted or wrote_status)
         self.metrics.reconciles.labels("degraded" if failures else "ok" if changed else "unchanged").inc()
         if problem is not None:
             await self.post(body, "Warning", "ApplyFailed", problem.message)
@@ -321,9 +334,7 @@ class Reconciler:
     async def _write_status(self, inp: StatusInput, *, children: Children | None = None) -> bool:
         """Roll the status up (from `children` when given: the cache after this reconcile's writes); True if written."""
         if children is not None:
-            inp = StatusInput(
-                inp.body, children, inp.spec, inp.problem, inp.now, inp.written, inp.invalid_overrides, inp.serving_mode
-            )
+            inp = replace(inp, children=children)
         planned = plan_status(inp)
         if planned.event is not None:
             await self.post(inp.body, "Normal", *planned.event)

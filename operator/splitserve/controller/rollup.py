@@ -7,7 +7,7 @@ only when a condition's status changes, so watchers (Argo CD, `kubectl wait`) se
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,22 @@ class PoolObservation:
                 and c.get("reason") != "NewReplicaSetAvailable"
                 for c in status.get("conditions", [])
             ),
+        )
+
+    @classmethod
+    def combined(cls, deployments: Iterable[Mapping[str, Any]]) -> PoolObservation | None:
+        """One role's pools of every KV generation as one pool (None: there is none): during a
+        rollout the old and the new generation serve together, so the role's counts are their sums."""
+        observed = [pool for pool in map(cls.from_deployment, deployments) if pool is not None]
+        if not observed:
+            return None
+        return cls(
+            desired=sum(pool.desired for pool in observed),
+            replicas=sum(pool.replicas for pool in observed),
+            ready=sum(pool.ready for pool in observed),
+            updated=sum(pool.updated for pool in observed),
+            up_to_date=all(pool.up_to_date for pool in observed),
+            in_progress=any(pool.in_progress for pool in observed),
         )
 
     @property

@@ -11,9 +11,11 @@ from typing import Any
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import InferenceDeploymentStatus
-from splitserve.api.topology import pool_name, worker_roles
+from splitserve.api.topology import Owner, generation_pool_name, worker_roles
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.autoscaling.evaluation import status_for
+from splitserve.builders.target import Target
+from splitserve.controller.children import generations_present
 from splitserve.controller.reconcile import Reconciler, read_live, scaled, utc_now
 from splitserve.io.prometheus import PrometheusClient
 from splitserve.io.signals import evaluate
@@ -53,10 +55,17 @@ async def autoscale_once(
     body, spec = found
     if not spec.autoscaling.enabled or spec.autoscaling.backend != "builtin":
         return state
+    # Only the serving generation's pools are sized here; during a rollout (another generation's pools
+    # exist) the rollout sizes every pool, step by step, and the autoscaler stands aside.
+    serving = Target(Owner(name, namespace), spec, reconciler.images).generation
+    if generations_present(reconciler.cache.owned(namespace, name)) - {serving}:
+        return state
     current: dict[str, int] = {}
     ready: dict[str, int] = {}
     for role in worker_roles(spec):
-        deployment = reconciler.cache.child(namespace, name, "apps/v1", "Deployment", pool_name(name, role))
+        deployment = reconciler.cache.child(
+            namespace, name, "apps/v1", "Deployment", generation_pool_name(name, role, serving)
+        )
         if deployment is None:
             return state  # not created yet: the reconciler creates it at its declared size
         current[str(role)] = int(deployment.get("spec", {}).get("replicas", 1))
@@ -72,7 +81,7 @@ async def autoscale_once(
         metrics.desired_replicas.labels(namespace, name, pool).set(desired)
     for pool, desired in evaluation.desired.items():
         if desired != current.get(pool):
-            deployment_name = pool_name(name, pool)
+            deployment_name = generation_pool_name(name, pool, serving)
             answer = await reconciler.kube.scale(
                 "apps/v1", "Deployment", namespace, deployment_name, desired, field_manager=AUTOSCALER_FIELD_MANAGER
             )
