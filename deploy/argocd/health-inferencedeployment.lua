@@ -4,6 +4,12 @@
 -- Healthy:     Ready=True.
 -- Degraded:    Ready=False; the message lists every failing part as "Type: Reason: message"
 --   (PrefillReady/DecodeReady/RouterReady with status False, and Degraded=True).
+-- KV-generation rollouts (status.rollout present) come first, since the old pools keep Ready=True:
+--   Degraded while paused (Progressing=False with reason RolloutPaused, or status.rollout.paused):
+--     the message is status.rollout.message, the analysis' numbers;
+--   Progressing while Progressing=True with reason RollingOut (unless Ready=False: a real failure
+--     is reported as above); the message carries status.rollout.summary.
+--   A roll of pods within one generation (no status.rollout) is judged by Ready alone, as before.
 local hs = {}
 
 local function describe(condition)
@@ -42,6 +48,50 @@ for _, condition in ipairs(obj.status.conditions) do
 end
 
 local ready = byType["Ready"]
+local progressing = byType["Progressing"]
+local rollout = obj.status.rollout
+
+local function pausedRollout()
+  if progressing ~= nil and progressing.status == "False" and progressing.reason == "RolloutPaused" then
+    return true
+  end
+  return rollout ~= nil and rollout.paused == true
+end
+
+if pausedRollout() then
+  hs.status = "Degraded"
+  local message = nil
+  if rollout ~= nil and rollout.message ~= nil and rollout.message ~= "" then
+    message = rollout.message
+  elseif progressing ~= nil and progressing.message ~= nil and progressing.message ~= "" then
+    message = progressing.message
+  end
+  hs.message = "Rollout paused"
+  if rollout ~= nil and rollout.generation ~= nil and rollout.generation ~= "" then
+    hs.message = hs.message .. " (generation " .. rollout.generation .. ")"
+  end
+  if message ~= nil then
+    hs.message = hs.message .. ": " .. message
+  end
+  return hs
+end
+
+local readyFailed = ready ~= nil and ready.status == "False"
+if rollout ~= nil and not readyFailed and progressing ~= nil and progressing.status == "True"
+    and progressing.reason == "RollingOut" then
+  hs.status = "Progressing"
+  hs.message = "Rolling out"
+  if rollout.summary ~= nil and rollout.summary ~= "" then
+    hs.message = hs.message .. " " .. rollout.summary
+  elseif rollout.generation ~= nil and rollout.generation ~= "" then
+    hs.message = hs.message .. " generation " .. rollout.generation
+  end
+  if progressing.message ~= nil and progressing.message ~= "" then
+    hs.message = hs.message .. ": " .. progressing.message
+  end
+  return hs
+end
+
 if ready == nil then
   hs.status = "Progressing"
   hs.message = "Waiting for the Ready condition"

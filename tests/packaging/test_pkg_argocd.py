@@ -146,6 +146,106 @@ def test_condition_without_reason_or_message() -> None:
     assert run_health(idep(conditions=conditions)) == {"status": "Degraded", "message": "RouterReady"}
 
 
+ROLLING_OUT = condition("Progressing", "True", "RollingOut", "generation 3f2a9c01d4: prefill 1/2, decode 2/3 ready")
+PAUSED = condition("Progressing", "False", "RolloutPaused", "rollout of 3f2a9c01d4 paused")
+STABLE = condition("Progressing", "False", "Stable", "every pool matches the spec")
+PAUSE_NUMBERS = "Failed (error rate): error rate 30.0% vs 0.0% (limit +2.0%); TTFT p90 0.12s vs 0.11s (limit x1.5)"
+
+
+def rollout(summary: str = "3f2a9c01d4 2/3 67%", paused: bool = False, message: str = "") -> dict[str, Any]:
+    return {
+        "generation": "3f2a9c01d4",
+        "replacing": ["9b1e7f00aa"],
+        "paused": paused,
+        "reason": "RolloutPaused" if paused else "",
+        "message": message,
+        "summary": summary,
+    }
+
+
+def in_rollout(
+    progressing: dict[str, Any], status_rollout: dict[str, Any] | None, **overrides: dict[str, Any]
+) -> dict[str, Any]:
+    obj = idep(conditions=with_conditions(Progressing=progressing, **overrides))
+    if status_rollout is not None:
+        obj["status"]["rollout"] = status_rollout
+    return obj
+
+
+ROLLOUT_CASES = [
+    pytest.param(
+        in_rollout(ROLLING_OUT, rollout()),
+        "Progressing",
+        "Rolling out 3f2a9c01d4 2/3 67%: generation 3f2a9c01d4: prefill 1/2, decode 2/3 ready",
+        id="rolling-out-with-old-pools-ready",
+    ),
+    pytest.param(
+        in_rollout(ROLLING_OUT, rollout(summary="")),
+        "Progressing",
+        "Rolling out generation 3f2a9c01d4: generation 3f2a9c01d4: prefill 1/2, decode 2/3 ready",
+        id="rolling-out-before-the-first-summary",
+    ),
+    pytest.param(
+        in_rollout(
+            ROLLING_OUT,
+            rollout(),
+            Ready=condition("Ready", "Unknown", "DecodeNotReady", "DecodeReady: 0/1; waiting for the engines"),
+        ),
+        "Progressing",
+        "Rolling out 3f2a9c01d4 2/3 67%: generation 3f2a9c01d4: prefill 1/2, decode 2/3 ready",
+        id="rolling-out-while-ready-is-unknown",
+    ),
+    pytest.param(
+        in_rollout(PAUSED, rollout(paused=True, message=PAUSE_NUMBERS)),
+        "Degraded",
+        f"Rollout paused (generation 3f2a9c01d4): {PAUSE_NUMBERS}",
+        id="paused-by-the-analysis",
+    ),
+    pytest.param(
+        in_rollout(PAUSED, None),
+        "Degraded",
+        "Rollout paused: rollout of 3f2a9c01d4 paused",
+        id="paused-condition-without-rollout-status",
+    ),
+    pytest.param(
+        in_rollout(ROLLING_OUT, rollout(paused=True, message=PAUSE_NUMBERS)),
+        "Degraded",
+        f"Rollout paused (generation 3f2a9c01d4): {PAUSE_NUMBERS}",
+        id="paused-by-the-analysis-before-the-plan-saw-it",
+    ),
+    pytest.param(in_rollout(STABLE, None), "Healthy", "prefill, decode and router are serving", id="after-rollout"),
+    pytest.param(
+        in_rollout(ROLLING_OUT, None),
+        "Healthy",
+        "prefill, decode and router are serving",
+        id="pods-rolling-within-one-generation-stay-healthy",
+    ),
+    pytest.param(
+        in_rollout(
+            ROLLING_OUT,
+            rollout(),
+            Ready=condition("Ready", "False", "DecodeNotReady", "..."),
+            DecodeReady=condition("DecodeReady", "False", "NoReplicasReady", "0/3 decode replicas ready"),
+        ),
+        "Degraded",
+        "DecodeReady: NoReplicasReady: 0/3 decode replicas ready",
+        id="a-real-failure-during-a-rollout-is-degraded",
+    ),
+]
+
+
+@pytest.mark.parametrize(("obj", "health", "message"), ROLLOUT_CASES)
+def test_kv_generation_rollouts(obj: dict[str, Any], health: str, message: str) -> None:
+    assert run_health(obj) == {"status": health, "message": message}
+
+
+def test_unobserved_spec_change_of_a_paused_rollout_is_progressing() -> None:
+    # Changing the spec again is how a paused rollout resumes: until the operator has seen it, Progressing.
+    obj = in_rollout(PAUSED, rollout(paused=True, message=PAUSE_NUMBERS))
+    obj["metadata"]["generation"] = 4
+    assert run_health(obj)["status"] == "Progressing"
+
+
 STATUSES = st.sampled_from(["True", "False", "Unknown"])
 
 
