@@ -12,7 +12,6 @@ beside anything else on the machine. Shell blocks run under `set -euo pipefail` 
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -58,13 +57,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
         match = up.wait_for_line(ENDPOINT_LINE, seconds=60)
         yield Stack(endpoint=match.group(1), port=int(match.group(2)))
     finally:
-        if up.popen.poll() is None:
-            up.popen.send_signal(signal.SIGTERM)
-            try:
-                up.popen.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                up.popen.kill()
-                up.popen.wait(timeout=10)
+        up.stop()
 
 
 def _environment() -> dict[str, str]:

@@ -53,6 +53,8 @@ def _inputs(
         model_path=model_path,
         spec_path=spec_path,
         sim_profile=sim_profile,
+        endpoints_file="/run/endpoints.json",
+        generation="g1",
     )
 
 
@@ -85,13 +87,14 @@ def test_one_process_per_replica_with_distinct_ports_and_names(prefill: int, dec
         assert roles == ["aggregated"] * decode
     else:
         assert roles == ["prefill"] * prefill + ["decode"] * decode
+    assert [spec.role for spec in plan.workers] == roles
+    assert [spec.pool for spec in plan.workers] == ["prefill" if role == "prefill" else "decode" for role in roles]
+    assert all(spec.generation == "g1" and _arg(spec.argv, "--generation") == "g1" for spec in plan.workers)
+    # The router follows the endpoints file `up` writes (a rollout changes it), not static URLs.
     router = plan.router.argv
-    decode_urls = _arg(router, "--decode").split(",")
-    assert decode_urls == [spec.base_url for spec in plan.workers if _arg(spec.argv, "--role") != "prefill"]
-    if expected_prefill:
-        assert _arg(router, "--prefill").split(",") == [spec.base_url for spec in plan.workers[:prefill]]
-    else:
-        assert not _has(router, "--prefill")
+    assert _arg(router, "--discovery") == "file" and _arg(router, "--endpoints-file") == "/run/endpoints.json"
+    assert not _has(router, "--prefill") and not _has(router, "--decode")
+    assert ("--no-prefill-pool" in router) is aggregated
 
 
 def test_sim_workers_and_router_arguments() -> None:
@@ -120,17 +123,17 @@ def test_router_command_line_is_the_routers_own_and_the_clusters() -> None:
     parser = argparse.ArgumentParser()
     router_cli.configure(parser)
     config = router_cli.config_from_args(parser.parse_args(list(flags)))
-    assert config.discovery is DiscoveryKind.STATIC
+    assert config.discovery is DiscoveryKind.FILE and config.endpoints_file == "/run/endpoints.json"
+    assert config.prefill_pool is True
     assert (config.host, config.port, config.model) == ("127.0.0.1", 8000, "tiny")
-    assert config.prefill_urls == tuple(worker.base_url for worker in plan.workers[:2])
     assert (config.queue_limit, config.queue_timeout, config.connect_timeout) == (9, 7, 2.5)
     assert (config.prefill_timeout, config.decode_timeout, config.drain_seconds) == (40, 50, 5)
     # The routing, admission and timeout flags are the ones the cluster's router Deployment runs with.
     target = Target(Owner("t", "default"), deployment.spec)
     in_cluster = build_router_deployment(target)["spec"]["template"]["spec"]["containers"][0]["args"]
     assert in_cluster[0] == "router"
-    local_only = ("--host", "--port", "--prefill=", "--decode=", "--drain-seconds", "--tokenizer", "--workers")
-    cluster_only = ("--host", "--port", "--discovery", "--namespace", "--prefill-service", "--decode-service")
+    local_only = ("--host", "--port", "--discovery", "--endpoints-file", "--drain-seconds", "--tokenizer", "--workers")
+    cluster_only = ("--host", "--port", "--discovery", "--deployment", "--namespace", "--prefill-service")
     shared = [flag for flag in in_cluster[1:] if not flag.startswith((*cluster_only, "--worker-port", "--workers"))]
     assert [flag for flag in flags if not flag.startswith(local_only)] == shared
     # Locally one router process (the engines need the other cores); in a cluster one per requested core.

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import queue
 import re
+import signal
 import subprocess
 import sys
 import threading
@@ -56,6 +57,16 @@ class UpRun:
     def stderr(self) -> str:
         assert self.popen.stderr is not None
         return self.popen.stderr.read()
+
+    def stop(self) -> None:
+        """SIGTERM unless it already exited; SIGKILL if it has not stopped within 30 s."""
+        if self.popen.poll() is None:
+            self.popen.send_signal(signal.SIGTERM)
+            try:
+                self.popen.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.popen.kill()
+                self.popen.wait(timeout=10)
 
 
 def start_up(*args: str, run_dir: Path) -> UpRun:

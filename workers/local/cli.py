@@ -1,4 +1,8 @@
-"""`splitserve up -f FILE`: run an InferenceDeployment on this machine, no cluster and no GPU needed."""
+"""`splitserve up -f FILE`: run an InferenceDeployment on this machine, no cluster and no GPU needed.
+
+`splitserve up --apply FILE` hands a new version of the deployment to the stack that runs it (found
+by the deployment's name, or by --run-dir), follows its rollout and exits 0 when it is applied.
+"""
 
 from __future__ import annotations
 
@@ -8,23 +12,38 @@ import sys
 import time
 from pathlib import Path
 
+import yaml
+
+from splitserve.local.control import NoStack, find_stack, follow, submit
 from splitserve.local.deployment import TINY_MODEL_URI, DeploymentFileError, load_deployment
 from splitserve.local.plan import Engine
 from splitserve.local.ports import LOOPBACK, PortAllocator, is_port_free
 from splitserve.local.stack import VLLM_WORKERS_WARNING, LocalStack, UpOptions, vllm_missing
 from splitserve.local.supervisor import Progress
+from splitserve.validation import load_documents
 
 DEFAULT_ROUTER_PORT = 8000
 CACHE_DIR = Path.home() / ".cache" / "splitserve"
+# Running stacks register here (control.py), so `up --apply FILE` finds the one serving FILE's deployment.
+STACKS_DIR = CACHE_DIR / "stacks"
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.description = (
         "Run an InferenceDeployment locally: its prefill and decode workers (replica counts from the file; "
         "aggregated mode runs the decode pool only) and the router in front of them, as processes on "
-        f"127.0.0.1. A model.source.uri of {TINY_MODEL_URI} runs a tiny random-weight model built offline."
+        f"127.0.0.1. A model.source.uri of {TINY_MODEL_URI} runs a tiny random-weight model built offline. "
+        "While it serves, edits of the file (or `up --apply FILE`) roll out: a new KV generation "
+        "make-before-break, replica counts in place."
     )
-    parser.add_argument("-f", "--filename", required=True, type=Path, help="InferenceDeployment YAML file")
+    what = parser.add_mutually_exclusive_group(required=True)
+    what.add_argument("-f", "--filename", type=Path, help="InferenceDeployment YAML file to run")
+    what.add_argument(
+        "--apply",
+        type=Path,
+        metavar="FILE",
+        help="hand FILE to the running stack of its deployment (or the one in --run-dir), wait for the rollout",
+    )
     parser.add_argument(
         "--engine",
         choices=[engine.value for engine in Engine],
@@ -37,7 +56,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=None,
         help=f"router port (default {DEFAULT_ROUTER_PORT}, or any free port if that is busy; 0: any free port)",
     )
-    parser.add_argument("--run-dir", type=Path, help="folder for logs and run.json (default: a new one in the cache)")
+    parser.add_argument(
+        "--run-dir",
+        type=Path,
+        help="folder for logs and run.json (default: a new one in the cache); with --apply: the stack's",
+    )
     parser.add_argument(
         "--model-dir",
         type=Path,
@@ -107,7 +130,69 @@ def prune_run_dirs(runs_root: Path, keep: int) -> list[Path]:
     return removed
 
 
+def _deployment_name(text: str) -> str | None:
+    """metadata.name of the file's InferenceDeployment, when the file says it at all."""
+    try:
+        documents = load_documents(text)
+    except yaml.YAMLError:
+        return None
+    names = [
+        doc.get("metadata", {}).get("name")
+        for doc in documents
+        if isinstance(doc, dict) and doc.get("kind") == "InferenceDeployment" and isinstance(doc.get("metadata"), dict)
+    ]
+    return names[0] if len(names) == 1 and isinstance(names[0], str) else None
+
+
+def apply(file: Path, run_dir: Path | None, registry: Path = STACKS_DIR) -> int:
+    """`up --apply FILE`: give FILE to the running stack, print its progress, exit 0 once applied."""
+    try:
+        text = file.read_text(encoding="utf-8")
+    except OSError as error:
+        print(f"error: cannot read {file}: {error.strerror or error}", file=sys.stderr)
+        return 1
+    name = _deployment_name(text)
+    if name is None and run_dir is None:
+        print(
+            f"error: {file} names no InferenceDeployment (kind and metadata.name), so no stack to apply it to; "
+            "nothing was sent",
+            file=sys.stderr,
+        )
+        try:
+            load_deployment(file)
+        except DeploymentFileError as error:
+            for message in error.messages:
+                print(f"  {message}", file=sys.stderr)
+        return 1
+    try:
+        stack = find_stack(name or "", run_dir.resolve() if run_dir is not None else None, registry)
+    except NoStack as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    print(f"applying {file} to the stack of {stack.deployment!r} (pid {stack.pid}, {stack.run_dir})", flush=True)
+    request = submit(stack, file.resolve(), text)
+
+    def waiting() -> None:
+        print("waiting for the stack: it applies one change at a time", flush=True)
+
+    printed: list[str] = []
+
+    def show(line: str) -> None:
+        printed.append(line)
+        print(line, flush=True)
+
+    result = follow(stack, request, show, on_waiting=waiting)
+    if not result.ok:
+        print(f"error: {result.message}", file=sys.stderr)
+        return 1
+    if not any(line.endswith(result.message) for line in printed):
+        print(result.message, flush=True)
+    return 0
+
+
 def run(args: argparse.Namespace) -> int:
+    if args.apply is not None:
+        return apply(args.apply, args.run_dir)
     try:
         deployment = load_deployment(args.filename)
     except DeploymentFileError as error:
@@ -153,5 +238,7 @@ def run(args: argparse.Namespace) -> int:
         smoke=args.smoke,
         verbose=args.verbose,
         sim_profile=args.sim_profile,
+        deployment_file=args.filename,
+        registry=STACKS_DIR,
     )
     return LocalStack(deployment, options, progress).run()

@@ -12,7 +12,8 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
 
-from splitserve.api.spec import Connector, Role
+from splitserve.api.generation import generation_inputs, kv_generation
+from splitserve.api.spec import DEFAULT_WORKER_IMAGE, Connector, InferenceDeploymentSpec, ModelSource, Role
 from splitserve.api.topology import publishes_kv_events
 from splitserve.builders.router import router_args
 from splitserve.builders.vllm_args import kv_events_args
@@ -34,10 +35,17 @@ class ProcessSpec:
     port: int
     ready_path: str
     env: Mapping[str, str] = field(default_factory=dict)
+    role: str = ""  # workers: prefill, decode or aggregated
+    generation: str = ""  # workers: the KV generation they serve
 
     @property
     def base_url(self) -> str:
         return f"http://{LOOPBACK}:{self.port}"
+
+    @property
+    def pool(self) -> str:
+        """The router pool a worker belongs to: aggregated workers serve in the decode pool."""
+        return "prefill" if self.role == "prefill" else "decode"
 
     @property
     def ready_url(self) -> str:
@@ -73,26 +81,46 @@ class PlanInputs:
     sim_profile: str | None = None
     # The router finishes in-flight requests for this long after SIGTERM (less than up's stop grace).
     router_drain_seconds: float = 5.0
+    # The file the router discovers the workers from (endpoints.py writes it).
+    endpoints_file: str = "endpoints.json"
+    # The KV generation of the workers planned (local_generation); the simulators refuse KV of another.
+    generation: str = ""
+
+
+# Process names: the role's prefix and a number that grows over the stack's life, so the workers of a
+# new generation (or added replicas) never reuse the name, hence the log file, of an earlier one.
+NAME_PREFIX = {"prefill": "prefill", "decode": "decode", "aggregated": "worker"}
+
+
+def role_counts(deployment: LocalDeployment) -> dict[str, int]:
+    """Workers per role; aggregated mode runs the decode pool only, as aggregated workers."""
+    if not deployment.disaggregated:
+        return {"aggregated": deployment.decode_replicas}
+    return {"prefill": deployment.prefill_replicas, "decode": deployment.decode_replicas}
 
 
 def worker_roles(deployment: LocalDeployment) -> list[tuple[str, str]]:
-    """(process name, worker role) for every worker; aggregated mode runs the decode pool only."""
-    if not deployment.disaggregated:
-        return [(f"worker-{index}", "aggregated") for index in range(deployment.decode_replicas)]
-    return [(f"prefill-{index}", "prefill") for index in range(deployment.prefill_replicas)] + [
-        (f"decode-{index}", "decode") for index in range(deployment.decode_replicas)
+    """(process name, worker role) for every worker of a fresh stack."""
+    return [
+        (f"{NAME_PREFIX[role]}-{index}", role)
+        for role, count in role_counts(deployment).items()
+        for index in range(count)
     ]
 
 
 def _sim_worker(name: str, role: str, port: int, deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
     argv = [*inputs.splitserve, "sim-worker", "--role", role, "--host", LOOPBACK, "--port", str(port)]
     argv += ["--model", deployment.spec.model.name]
+    if inputs.generation:
+        argv += ["--generation", inputs.generation]
     if inputs.sim_profile:
         argv += ["--profile", inputs.sim_profile]
     if publishes_kv_events(deployment.spec, role):
         # The simulator takes vLLM's own flag; each worker its own port, as all share this host.
         argv += kv_events_args(deployment.spec, Role(role), port=inputs.allocate_port())
-    return ProcessSpec(name=name, argv=tuple(argv), port=port, ready_path="/health")
+    return ProcessSpec(
+        name=name, argv=tuple(argv), port=port, ready_path="/health", role=role, generation=inputs.generation
+    )
 
 
 def _vllm_worker(name: str, role: str, port: int, deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
@@ -112,16 +140,22 @@ def _vllm_worker(name: str, role: str, port: int, deployment: LocalDeployment, i
         # `splitserve worker` builds --kv-events-config (and the hash algorithm) from the spec, as in a
         # pod; only the port differs: engine.kvEventsPort would be the same for every local worker.
         argv += ["--kv-events-port", str(inputs.allocate_port())]
-    return ProcessSpec(name=name, argv=tuple(argv), port=port, ready_path="/health", env=env)
+    return ProcessSpec(
+        name=name, argv=tuple(argv), port=port, ready_path="/health", env=env, role=role, generation=inputs.generation
+    )
 
 
-def _router(deployment: LocalDeployment, workers: list[ProcessSpec], inputs: PlanInputs) -> ProcessSpec:
-    prefill = [worker.base_url for worker in workers if worker.name.startswith("prefill-")]
-    decode = [worker.base_url for worker in workers if not worker.name.startswith("prefill-")]
-    # The workers are this plan's processes: static URLs instead of the cluster's discovery.
-    static = [*([f"--prefill={','.join(prefill)}"] if prefill else []), f"--decode={','.join(decode)}"]
+def router_discovery_args(deployment: LocalDeployment, endpoints_file: str) -> list[str]:
+    """Where the local router finds the workers: the endpoints file `up` rewrites as workers come and
+    go (a rollout adds a generation's workers, marks the old ones terminating, then removes them)."""
+    no_prefill = [] if deployment.disaggregated else ["--no-prefill-pool"]
+    return ["--discovery=file", f"--endpoints-file={endpoints_file}", *no_prefill]
+
+
+def plan_router(deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
     argv = [*inputs.splitserve, "router"]
-    argv += router_args(deployment.spec, host=LOOPBACK, port=inputs.router_port, workers=static)
+    workers = router_discovery_args(deployment, inputs.endpoints_file)
+    argv += router_args(deployment.spec, host=LOOPBACK, port=inputs.router_port, workers=workers)
     argv.append(f"--drain-seconds={inputs.router_drain_seconds:g}")
     # One router process: locally the engines need the other cores, and a second router process
     # contending with them for a core costs latency (benchmarks/router/README.md, shared cores).
@@ -132,16 +166,42 @@ def _router(deployment: LocalDeployment, workers: list[ProcessSpec], inputs: Pla
     return ProcessSpec(name="router", argv=tuple(argv), port=inputs.router_port, ready_path="/ready")
 
 
+def plan_worker(deployment: LocalDeployment, inputs: PlanInputs, role: str, index: int) -> ProcessSpec:
+    """Worker number `index` of a role (its name `prefill-3`, `decode-0`, `worker-1`), on a new port."""
+    name = f"{NAME_PREFIX[role]}-{index}"
+    port = inputs.allocate_port()
+    if inputs.engine is Engine.SIM:
+        return _sim_worker(name, role, port, deployment, inputs)
+    return _vllm_worker(name, role, port, deployment, inputs)
+
+
 def plan_processes(deployment: LocalDeployment, inputs: PlanInputs) -> LocalPlan:
-    workers = []
-    for name, role in worker_roles(deployment):
-        port = inputs.allocate_port()
-        if inputs.engine is Engine.SIM:
-            workers.append(_sim_worker(name, role, port, deployment, inputs))
-        else:
-            workers.append(_vllm_worker(name, role, port, deployment, inputs))
-    router = _router(deployment, workers, inputs)
+    workers = [
+        plan_worker(deployment, inputs, role, index)
+        for role, count in role_counts(deployment).items()
+        for index in range(count)
+    ]
+    router = plan_router(deployment, inputs)
     return LocalPlan(workers=tuple(workers), router=router, model_name=deployment.spec.model.name)
+
+
+def local_spec(deployment: LocalDeployment, model_path: str) -> InferenceDeploymentSpec:
+    """The spec as the local workers run it: model.source is where they load the model from."""
+    source = deployment.spec.model.source
+    if source.uri is None or source.uri == model_path:
+        return deployment.spec
+    model = deployment.spec.model.model_copy(update={"source": ModelSource(uri=model_path)})
+    return deployment.spec.model_copy(update={"model": model})
+
+
+def local_generation(deployment: LocalDeployment, model_path: str) -> tuple[str, dict[str, Any]]:
+    """The KV generation of a local deployment and the inputs it hashes, as api/generation.py defines
+    them for a cluster (the default worker image standing for an unset engine.image) with one local
+    twist: model.source is the model location `up` resolves (the tiny model's folder for
+    splitserve://tiny-model), so the same file gives the cluster's generation unless it names the
+    tiny model."""
+    spec = local_spec(deployment, model_path)
+    return kv_generation(spec, DEFAULT_WORKER_IMAGE), generation_inputs(spec, DEFAULT_WORKER_IMAGE)
 
 
 def model_location(deployment: LocalDeployment, tiny_model_dir: str) -> str:

@@ -131,6 +131,11 @@ class RequestLogFollower:
     def start(self) -> None:
         self._thread.start()
 
+    def add_names(self, names_by_url: Mapping[str, str]) -> None:
+        """Name workers started later (a rollout's, added replicas); a new dict, so the reader never
+        sees one half-updated."""
+        self._names_by_url = {**self._names_by_url, **names_by_url}
+
     def stop(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2.0)

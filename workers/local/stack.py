@@ -1,4 +1,11 @@
-"""`splitserve up`: bring a deployment's router and workers up as local processes, then supervise them."""
+"""`splitserve up`: bring a deployment's router and workers up as local processes, then supervise them.
+
+While serving, the stack takes new versions of its deployment: edits of its file (looked at every
+half second) and files handed over by `splitserve up --apply FILE` (control.py). Each is validated
+(an invalid one is reported and the stack keeps serving what it serves) and applied one at a time,
+in the order they came: a new KV generation rolls out make-before-break, the same generation changes
+replica counts in place (rollout.py, changes.py).
+"""
 
 from __future__ import annotations
 
@@ -8,26 +15,32 @@ import os
 import shutil
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import yaml
 
-from splitserve.local.deployment import LocalDeployment
+from splitserve.local.control import ApplyRequest, ControlChannel, FileWatch, StackInfo
+from splitserve.local.deployment import DeploymentFileError, LocalDeployment, parse_deployment
+from splitserve.local.endpoints import EndpointsFile
 from splitserve.local.plan import (
     Engine,
-    LocalPlan,
     PlanInputs,
     ProcessSpec,
+    local_generation,
     model_location,
-    plan_processes,
+    plan_router,
     resolved_document,
     uses_tiny_model,
 )
-from splitserve.local.ports import PortAllocator
+from splitserve.local.ports import LOOPBACK, PortAllocator
 from splitserve.local.requestlog import RequestLogFollower
+from splitserve.local.rollout import Fleet, Generation, Outcome, ServingDied
 from splitserve.local.smoke import example_commands, send_smoke_request
 from splitserve.local.supervisor import (
+    POLL_SECONDS,
     Progress,
     RunningProcess,
     StartupError,
@@ -52,6 +65,12 @@ class UpOptions:
     smoke: bool = False
     verbose: bool = False
     sim_profile: str | None = None
+    # The file the deployment came from: its edits are applied while serving (None: not watched).
+    deployment_file: Path | None = None
+    # Where running stacks register, so `up --apply` finds them by deployment name (None: not registered).
+    registry: Path | None = None
+    # How often the file and the --apply folder are looked at.
+    watch_seconds: float = 0.5
 
 
 def splitserve_command() -> tuple[str, ...]:
@@ -64,7 +83,7 @@ def vllm_missing() -> bool:
 
 
 class LocalStack:
-    """One `up` run: the supervisor, the plan it follows and what the user sees."""
+    """One `up` run: the supervisor, the workers it runs and the router before them, what the user sees."""
 
     def __init__(self, deployment: LocalDeployment, options: UpOptions, progress: Progress) -> None:
         self.deployment = deployment
@@ -73,17 +92,38 @@ class LocalStack:
         self.supervisor = Supervisor(options.run_dir, progress, stop_grace_seconds=options.stop_grace)
         self.ports = PortAllocator()
         self.ports.reserve(options.router_port)
+        self.endpoints = EndpointsFile(options.run_dir / "endpoints.json")
+        self.router_url = f"http://{LOOPBACK}:{options.router_port}"
+        self.fleet = Fleet(
+            self.supervisor,
+            progress,
+            self.endpoints,
+            self.router_url,
+            startup_timeout=options.startup_timeout,
+            on_started=self._name_workers,
+        )
+        self.watch = FileWatch(options.deployment_file) if options.deployment_file is not None else None
+        self._follower: RequestLogFollower | None = None
+        self._spec_files = 0
+
+    @property
+    def endpoint(self) -> str:
+        return f"{self.router_url}/v1"
+
+    @property
+    def model_name(self) -> str:
+        return self.deployment.spec.model.name
 
     def run(self) -> int:
         with self.supervisor.signals_handled():
-            follower: RequestLogFollower | None = None
+            control: ControlChannel | None = None
             try:
-                plan = self._plan()
-                self._start(plan)
+                self._start()
                 if self.options.smoke:
-                    return self._smoke(plan)
-                follower = self._follow_requests(plan)
-                return self._serve()
+                    return self._smoke()
+                self._follower = self._follow_requests()
+                control = self._open_control()
+                return self._serve(control)
             except StartupError as error:
                 self._fail(str(error), error.log_tail)
                 return 1
@@ -91,13 +131,20 @@ class LocalStack:
                 self.progress.say(f"{stop} received during start-up")
                 return 0
             finally:
-                if follower is not None:
-                    follower.stop()
+                if self._follower is not None:
+                    self._follower.stop()
+                if control is not None:
+                    control.close()
+                self.fleet.close()
                 self.supervisor.stop_all()
 
-    # ------------------------------------------------------------------ steps
+    # ------------------------------------------------------------------ generations
 
-    def _plan(self) -> LocalPlan:
+    def _generation_id(self, deployment: LocalDeployment) -> tuple[str, dict[str, Any]]:
+        return local_generation(deployment, model_location(deployment, str(self.options.model_dir)))
+
+    def _generation(self, deployment: LocalDeployment, generation: tuple[str, dict[str, Any]]) -> Generation:
+        """A generation ready to start workers of: for vLLM, its model in place and the spec they read."""
         inputs = PlanInputs(
             engine=self.options.engine,
             router_port=self.options.router_port,
@@ -105,20 +152,25 @@ class LocalStack:
             splitserve=splitserve_command(),
             sim_profile=self.options.sim_profile,
             router_drain_seconds=max(1.0, self.options.stop_grace / 2),
+            endpoints_file=str(self.endpoints.path),
+            generation=generation[0],
         )
         if self.options.engine is Engine.VLLM:
-            model_path = self._model_path()
-            document, notes = resolved_document(self.deployment, model_path)
-            spec_path = self.options.run_dir / "spec.yaml"
+            model_path = self._model_path(deployment)
+            document, notes = resolved_document(deployment, model_path)
+            # RUN_DIR/spec.yaml for the first generation, spec-<generation>.yaml for later ones.
+            name = "spec.yaml" if self._spec_files == 0 else f"spec-{generation[0]}.yaml"
+            self._spec_files += 1
+            spec_path = self.options.run_dir / name
             spec_path.write_text(yaml.safe_dump(document, sort_keys=False))
             for note in notes:
                 self.progress.say(f"local adjustment: {note}")
             inputs = dataclasses.replace(inputs, model_path=model_path, spec_path=str(spec_path))
-        return plan_processes(self.deployment, inputs)
+        return Generation(id=generation[0], inputs=generation[1], plan_inputs=inputs)
 
-    def _model_path(self) -> str:
-        if not uses_tiny_model(self.deployment):
-            return model_location(self.deployment, str(self.options.model_dir))
+    def _model_path(self, deployment: LocalDeployment) -> str:
+        if not uses_tiny_model(deployment):
+            return model_location(deployment, str(self.options.model_dir))
         model_dir = self.options.model_dir
         if (model_dir / "config.json").exists():
             self.progress.say(f"tiny model: {model_dir}")
@@ -133,7 +185,7 @@ class LocalStack:
         try:
             self._wait_exit(process, timeout=600.0)
         except (StartupError, StopRequested):
-            self.supervisor.stop_all()  # the builder must stop writing before its folder goes
+            self.supervisor.stop([process])  # the builder must stop writing before its folder goes
             shutil.rmtree(partial, ignore_errors=True)
             raise
         try:
@@ -159,49 +211,147 @@ class LocalStack:
                 log_tail(process.log_path),
             )
 
-    def _start(self, plan: LocalPlan) -> None:
-        workers = [self.supervisor.start(spec) for spec in plan.workers]
-        self.supervisor.wait_ready(workers, self.options.startup_timeout)
-        router = self.supervisor.start(plan.router)
+    # ------------------------------------------------------------------ start
+
+    def _start(self) -> None:
+        generation = self._generation(self.deployment, self._generation_id(self.deployment))
+        self.progress.say(f"KV generation {generation.id}")
+        workers = self.fleet.start(self.deployment, generation)
+        router = self.supervisor.start(plan_router(self.deployment, generation.plan_inputs))
         self.supervisor.wait_ready([router], self.options.startup_timeout)
+        self.fleet.router = router
         memory_mb = self.supervisor.memory_bytes() / 2**20
-        self.progress.say(f"all {len(plan.processes)} processes ready ({memory_mb:.0f} MiB resident)")
-        print(f"OpenAI endpoint: {plan.endpoint}   (model {plan.model_name!r})", flush=True)
+        self.progress.say(f"all {len(workers) + 1} processes ready ({memory_mb:.0f} MiB resident)")
+        print(f"OpenAI endpoint: {self.endpoint}   (model {self.model_name!r})", flush=True)
         if not self.options.smoke:
-            curl, python = example_commands(plan.endpoint, plan.model_name)
+            curl, python = example_commands(self.endpoint, self.model_name)
             print(f"  try: {curl}", flush=True)
             print(f"   or: {python}", flush=True)
             print("Ctrl-C stops everything.", flush=True)
 
-    def _smoke(self, plan: LocalPlan) -> int:
+    def _smoke(self) -> int:
         self.progress.say("smoke test: one completion through the router")
         try:
-            text = send_smoke_request(plan.endpoint, plan.model_name)
+            text = send_smoke_request(self.endpoint, self.model_name)
         except RuntimeError as error:
             self._fail(f"smoke request failed: {error}", log_tail(self.options.run_dir / "router.log"))
             return 1
         print(f"answer: {text!r}", flush=True)
         return 0
 
-    def _follow_requests(self, plan: LocalPlan) -> RequestLogFollower | None:
+    def _follow_requests(self) -> RequestLogFollower | None:
         if not self.options.verbose:
             return None
-        names = {spec.base_url: spec.name for spec in plan.processes}
+        names = {process.spec.base_url: process.name for process in self.fleet.serving()}
         follower = RequestLogFollower(self.options.run_dir / "router.log", names, self.progress.say)
         follower.start()
         return follower
 
-    def _serve(self) -> int:
+    def _name_workers(self, workers: Sequence[RunningProcess]) -> None:
+        if self._follower is not None:
+            self._follower.add_names({worker.spec.base_url: worker.name for worker in workers})
+
+    def _open_control(self) -> ControlChannel:
+        file = self.options.deployment_file
+        info = StackInfo(
+            pid=os.getpid(),
+            deployment=self.deployment.name,
+            file=str(file.resolve()) if file is not None else "",
+            endpoint=self.endpoint,
+            run_dir=self.options.run_dir,
+        )
+        control = ControlChannel(info, self.options.registry)
+        control.open()
+        watched = f"edits of {file} and " if file is not None else ""
+        self.progress.say(f"applying {watched}`splitserve up --apply FILE` while serving (control: {info.run_dir})")
+        return control
+
+    # ------------------------------------------------------------------ serve
+
+    def _serve(self, control: ControlChannel) -> int:
         deadline = None if self.options.exit_after is None else time.monotonic() + self.options.exit_after
-        died = self.supervisor.watch(deadline)
-        if died is not None:
-            self._fail(
-                f"{died.name} exited with code {died.popen.returncode} (log: {died.log_path})",
-                log_tail(died.log_path),
-            )
-            return 1
+        next_look = time.monotonic() + self.options.watch_seconds
+        while self.supervisor.stop_reason is None:
+            died = self.fleet.exited()
+            if died is not None:
+                return self._died(died)
+            if deadline is not None and time.monotonic() >= deadline:
+                self.supervisor.stop_reason = "time limit"
+                break
+            if time.monotonic() >= next_look:
+                try:
+                    self._take_changes(control)
+                except ServingDied as error:
+                    return self._died(error.process)
+                except StopRequested:
+                    break
+                next_look = time.monotonic() + self.options.watch_seconds
+            time.sleep(POLL_SECONDS)
         self.progress.say(f"{self.supervisor.stop_reason}: stopping")
         return 0
+
+    def _died(self, died: RunningProcess) -> int:
+        self._fail(
+            f"{died.name} exited with code {died.popen.returncode} (log: {died.log_path})", log_tail(died.log_path)
+        )
+        return 1
+
+    def _take_changes(self, control: ControlChannel) -> None:
+        """Apply what came since the last look, oldest first: edits of the file, `--apply` requests."""
+        changes: list[tuple[int, str, str, ApplyRequest | None]] = []
+        edited = self.watch.poll() if self.watch is not None else None
+        if edited is not None:
+            changes.append((edited[0], str(self.options.deployment_file), edited[1], None))
+        for pending in control.pending():
+            made = pending.id.split("-", 1)[0]
+            changes.append((int(made) if made.isdigit() else 0, pending.file, pending.text, pending))
+        for _, source, text, request in sorted(changes, key=lambda change: change[0]):
+            if request is None:
+                self._apply(text, source)
+                continue
+            self.progress.listeners.append(request.say)
+            outcome = Outcome(False, "the stack stopped while applying this file")
+            try:
+                outcome = self._apply(text, f"{source} (--apply)")
+            finally:
+                self.progress.listeners.remove(request.say)
+                request.finish(outcome.ok, outcome.message)
+
+    def _apply(self, text: str, source: str) -> Outcome:
+        """Validate a new version of the deployment and apply it; never raises for a bad file."""
+        current = self.fleet.generation
+        assert current is not None
+        try:
+            new = parse_deployment(text)
+        except DeploymentFileError as error:
+            self.progress.say(f"{source}: not applied, still serving generation {current.id}; the file has problems:")
+            for message in error.messages:
+                self.progress.say(f"  {message}")
+            return Outcome(False, f"{source} not applied: {len(error.messages)} problem(s) in the file")
+        generation_id = self._generation_id(new)
+        change = self.fleet.describe(new, generation_id)
+        if change.refused:
+            self.progress.say(f"{source}: not applied, still serving generation {current.id}:")
+            for reason in change.refused:
+                self.progress.say(f"  {reason}")
+            return Outcome(False, f"{source} not applied: " + "; ".join(change.refused))
+        if change.new_generation:
+            try:
+                generation = self._generation(new, generation_id)
+            except StartupError as error:
+                return Outcome(False, f"rollout to generation {generation_id[0]} failed: {error}")
+            outcome = self.fleet.roll_out(new, generation, change)
+        elif change.replicas:
+            outcome = self.fleet.scale(new, change)
+        else:
+            outcome = Outcome(True, f"{source}: nothing to roll out (generation {current.id}, same replica counts)")
+            self.progress.say(outcome.message)
+        if outcome.ok:
+            for line in change.needs_restart:
+                self.progress.say(f"not applied (restart `splitserve up` for it): {line}")
+            for line in change.no_local_effect:
+                self.progress.say(f"no effect on local processes: {line}")
+        return outcome
 
     def _fail(self, message: str, tail: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)

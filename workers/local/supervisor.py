@@ -40,13 +40,18 @@ class Progress:
         self._stream = stream
         self._clock = clock
         self._start = clock()
+        # Also told every line (as printed): e.g. the `up --apply` waiting for a rollout's progress.
+        self.listeners: list[Callable[[str], None]] = []
 
     def elapsed(self) -> float:
         return self._clock() - self._start
 
     def say(self, message: str) -> None:
         stream = self._stream or sys.stdout
-        print(f"[{self.elapsed():6.1f}s] {message}", file=stream, flush=True)
+        line = f"[{self.elapsed():6.1f}s] {message}"
+        print(line, file=stream, flush=True)
+        for listener in list(self.listeners):
+            listener(line)
 
 
 @dataclass
@@ -168,10 +173,15 @@ class Supervisor:
                 "url": process.spec.base_url,
                 "log": str(process.log_path),
                 "argv": list(process.spec.argv),
+                **({"role": process.spec.role} if process.spec.role else {}),
+                **({"generation": process.spec.generation} if process.spec.generation else {}),
             }
             for process in self.processes
         ]
-        (self.run_dir / "run.json").write_text(json.dumps({"processes": state}, indent=2) + "\n")
+        # Written under another name and renamed: a reader never sees half of it.
+        partial = self.run_dir / ".run.json.tmp"
+        partial.write_text(json.dumps({"processes": state}, indent=2) + "\n")
+        os.replace(partial, self.run_dir / "run.json")
 
     def _check_exited(self, process: RunningProcess, when: str) -> None:
         code = process.popen.poll()
@@ -267,9 +277,23 @@ class Supervisor:
             time.sleep(0.05)
 
     def stop_all(self) -> bool:
-        """Stop every child and everything below it; True when all left on SIGTERM within the grace time."""
+        """Stop every child and everything below it; True when all left on SIGTERM within the grace time.
+
+        run.json keeps listing them: it describes the run that just ended."""
+        return self._stop(self.processes)
+
+    def stop(self, processes: Sequence[RunningProcess]) -> bool:
+        """Stop some children (workers a rollout replaced) as stop_all does, and forget them."""
+        try:
+            return self._stop(processes)
+        finally:
+            gone = {id(process) for process in processes}
+            self.processes = [process for process in self.processes if id(process) not in gone]
+            self._write_state()
+
+    def _stop(self, processes: Sequence[RunningProcess]) -> bool:
         # Router first: it stops taking requests before the workers behind it go away.
-        ordered = sorted(self.processes, key=lambda process: process.name != "router")
+        ordered = sorted(processes, key=lambda process: process.name != "router")
         # Snapshot the trees now: once a worker exits, its orphans no longer show up as its descendants.
         trees = {process.name: (process, process_tree(process.pid)) for process in ordered}
         trees = {name: tree for name, tree in trees.items() if self._remaining(*tree)}
@@ -289,7 +313,7 @@ class Supervisor:
                     os.kill(pid, signal.SIGKILL)
         self._hurry = False
         leftovers = self._wait_gone({name: trees[name] for name in stragglers}, 5.0)
-        for process in self.processes:
+        for process in processes:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 process.popen.wait(timeout=1.0)
         if leftovers:
