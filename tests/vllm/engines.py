@@ -13,7 +13,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -215,14 +215,16 @@ def start_engine(
     name: str,
     role: str,
     spec_path: Path,
-    model_dir: Path,
+    model_dir: Path | None,
     log_dir: Path,
     *,
     side_channel_port: int | None = None,
     worker_flags: Sequence[str] = (),
+    env_overrides: Mapping[str, str] | None = None,
 ) -> Engine:
+    """`splitserve worker` for `role` from `spec_path`; `model_dir` None loads the spec's model.source."""
     port = free_port()
-    env = dict(os.environ)
+    env = {**os.environ, **(env_overrides or {})}
     env.pop("VLLM_NIXL_SIDE_CHANNEL_PORT", None)
     if side_channel_port is not None:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(side_channel_port)
@@ -236,8 +238,7 @@ def start_engine(
         "--cpu",
         "--port",
         str(port),
-        "--model",
-        str(model_dir),
+        *(["--model", str(model_dir)] if model_dir is not None else []),
         *worker_flags,
     )
     with log_path.open("wb") as log:
@@ -249,12 +250,13 @@ def start_ready_engine(
     name: str,
     role: str,
     spec_path: Path,
-    model_dir: Path,
+    model_dir: Path | None,
     log_dir: Path,
     *,
     timeout: float,
     attempts: int = 3,
     worker_flags: Callable[[], Sequence[str]] = tuple,
+    env_overrides: Mapping[str, str] | None = None,
 ) -> Engine:
     """Start an engine and wait until it is ready, on fresh ports again if one was taken meanwhile.
 
@@ -265,7 +267,14 @@ def start_ready_engine(
     for attempt in range(1, attempts + 1):
         side_channel_port = free_port() if role in ("prefill", "decode") else None
         engine = start_engine(
-            name, role, spec_path, model_dir, log_dir, side_channel_port=side_channel_port, worker_flags=worker_flags()
+            name,
+            role,
+            spec_path,
+            model_dir,
+            log_dir,
+            side_channel_port=side_channel_port,
+            worker_flags=worker_flags(),
+            env_overrides=env_overrides,
         )
         try:
             engine.wait_ready(timeout)
