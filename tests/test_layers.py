@@ -66,6 +66,13 @@ WRONG_WAY = [
         "splitserve.builders is not allowed to import splitserve.io",
     ),
     ("pure", "diagnosis/questions.py", "import httpx", "splitserve.diagnosis is not allowed to import httpx"),
+    # The rollout plan must stay a function of the cache: reading the cluster itself belongs to reconcile.py.
+    (
+        "pure",
+        "controller/rollout.py",
+        "from splitserve.io.kube import KubeClient",
+        "splitserve.controller.rollout is not allowed to import splitserve.io",
+    ),
     (
         "data-plane",
         "router/discovery.py",
