@@ -115,6 +115,30 @@ async def test_all_decode_attempts_failing_is_a_clear_502() -> None:
         )
 
 
+async def test_a_decode_failing_only_with_kv_is_retried_whole_on_the_same_worker() -> None:
+    """vLLM answers a timed-out NIXL handshake (its fixed 5 s, easily missed on a cold machine) with a
+    bare 500 that names no KV: with one decode worker, retrying it with the same KV fails the same way.
+    The retry recomputes the prompt there instead, so the request still gets its answer."""
+    async with (
+        SimWorker(sim_config("prefill")) as prefill,
+        SimWorker(sim_config("decode")) as decode,
+        running_router(router_config(prefill_urls=(prefill.url,), decode_urls=(decode.url,))) as (router, url),
+    ):
+        decode.faults.kv_status = 500
+        status, body, _ = await _post(url + "/v1/completions", COMPLETION)
+        assert status == 200, body
+        assert orjson.loads(body)["choices"][0]["text"]
+        assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": "decode_retry_without_kv"}) == 1
+        assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "fallback"}) == 1
+        decode.faults.kv_status = None
+        status, _, _ = await _post(url + "/v1/completions", COMPLETION)
+        assert status == 200
+        assert (
+            metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"})
+            == 1
+        )
+
+
 async def test_client_disconnect_cancels_the_upstream_request() -> None:
     slow = sim_config("aggregated", time_scale=1.0)  # real CPU-tiny speed: long enough to hang up on
     async with SimWorker(slow) as worker, running_router(router_config(decode_urls=(worker.url,))) as (router, url):

@@ -175,6 +175,11 @@ class Flow:
             retries = 0
             while True:
                 assert decode is not None
+                if kv_params is not None and decode.url in tried:
+                    # The same worker again (no other to try) after an attempt with KV failed: what failed
+                    # may be the transfer itself (vLLM answers a failed NIXL handshake with a bare 500),
+                    # so this attempt recomputes the prompt instead of failing the same way.
+                    kv_params = self._fallback(ctx, "decode_retry_without_kv")
                 tried.add(decode.url)
                 ctx.decode_url = decode.url
                 ctx.generation = decode.generation

@@ -48,8 +48,10 @@ HTTP endpoints
         ended later than modelled because the process was short of CPU: check it in benchmarks),
     POST /tokenize {"prompt"| "messages"} -> {"count", "max_model_len", "tokens"}.
     GET /version -> {"version", "generation"}, GET /load -> {"server_load": requests in flight}.
-    POST /admin/faults {"status": 500|null, "fail_rate": p, "fail_after_tokens": n|null, "clear": true}
-        changes injected faults live; GET /admin/faults shows them.
+    POST /admin/faults {"status": 500|null, "kv_status": 500|null, "fail_rate": p,
+        "fail_after_tokens": n|null, "clear": true} changes injected faults live (kv_status: only
+        requests carrying KV from a prefill, answered with a bare 500 as vLLM's failed handshake);
+        GET /admin/faults shows them.
     POST /internal/kv/pull  the KV side channel (prefill side), see below.
     GET /kv_event_sources -> {"0": <the KV events config, endpoints as bound>}, {} when events are off.
     POST /reset_prefix_cache -> {"success": bool} (vLLM's dev endpoint; false while KV is in use).

@@ -57,6 +57,9 @@ class FaultState:
     fail_rate: float = 0.0
     fail_after_tokens: int | None = None
     status: int | None = None
+    # Decode requests carrying KV from a prefill are answered with this status and vLLM's bare
+    # "Internal server error" (what vLLM answers when a NIXL handshake times out); others are served.
+    kv_status: int | None = None
 
     @classmethod
     def from_config(cls, config: FaultConfig) -> FaultState:
@@ -65,12 +68,13 @@ class FaultState:
     def update(self, body: dict[str, object]) -> None:
         """Apply the keys present in ``body``; ``{"clear": true}`` resets everything first."""
         if body.get("clear"):
-            self.fail_rate, self.fail_after_tokens, self.status = 0.0, None, None
-        if "status" in body:
-            status = body["status"]
-            if status is not None and (not isinstance(status, int) or not 100 <= status <= 599):
-                raise RequestError(400, "'status' must be an HTTP status code or null")
-            self.status = status
+            self.fail_rate, self.fail_after_tokens, self.status, self.kv_status = 0.0, None, None, None
+        for key in ("status", "kv_status"):
+            if key in body:
+                status = body[key]
+                if status is not None and (not isinstance(status, int) or not 100 <= status <= 599):
+                    raise RequestError(400, f"'{key}' must be an HTTP status code or null")
+                setattr(self, key, status)
         if "fail_rate" in body:
             rate = body["fail_rate"]
             if not isinstance(rate, int | float) or not 0 <= rate <= 1:
@@ -283,6 +287,9 @@ class SimWorker:
             engine_request = self._engine_request(request, parsed)
         except RequestError as error:
             return json_error(error.status, error.message)
+        remote = parsed.kv_transfer_params or {}
+        if self.faults.kv_status is not None and remote.get("remote_engine_id"):
+            return json_error(self.faults.kv_status, "Internal server error")
         self._in_flight += 1
         self._idle.clear()
         engine = self._engine()
