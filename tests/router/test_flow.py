@@ -52,6 +52,10 @@ async def test_disaggregated_completion_uses_transferred_kv() -> None:
                 == 1
             )
             assert metric_value(router, "splitserve_router_kv_handoff_seconds_count") == 1
+            # The legs of the TTFT: one wait per pool and one prefill leg.
+            assert metric_value(router, "splitserve_router_prefill_seconds_count") == 1
+            for pool in ("prefill", "decode"):
+                assert metric_value(router, "splitserve_router_queue_wait_seconds_count", {"pool": pool}) == 1
 
         # Same prompt straight to an aggregated path gives the same text: KV transfer changed nothing.
         async with SimWorker(sim_config("aggregated")) as single:

@@ -159,11 +159,13 @@ class Flow:
         # Traffic shift: a request that will be split goes to a generation that has prefill workers
         # (asked again whenever the request waited, as the pools change under it).
         shift = self._shift if self._strict and self._wants_prefill(ctx) else None
+        waiting_since = time.monotonic()
         try:
             decode: Worker | None = await self._decode.acquire(ctx.routing, deadline, generations=shift)
         except errors.RouterError as error:
             ctx.outcome = Outcome.REJECTED if error.status == 429 else Outcome.NO_CAPACITY
             raise
+        self._metrics.queue_wait.labels("decode").observe(time.monotonic() - waiting_since)
         assert decode is not None
         ctx.generation = decode.generation
         tried: set[str] = set()
@@ -247,11 +249,14 @@ class Flow:
                 return self._fallback(ctx, "prefill_unavailable")
             if not self._prefill.has_healthy_in(same):
                 return self._fallback(ctx, "no_prefill_in_generation")
+            waiting_since = time.monotonic()
             try:
                 worker = await self._prefill.acquire(ctx.routing, deadline, frozenset(tried), same)
             except errors.RouterError:
                 gone = self._prefill.has_healthy and not self._prefill.has_healthy_in(same)
                 return self._fallback(ctx, "no_prefill_in_generation" if gone else "prefill_unavailable")
+            sent = time.monotonic()
+            self._metrics.queue_wait.labels("prefill").observe(sent - waiting_since)
             tried.add(worker.url)
             ctx.prefill_url = worker.url
             ctx.prefill_generation = worker.generation
@@ -269,6 +274,7 @@ class Flow:
             finally:
                 self._prefill.release(worker)
             self._prefill.record_success(worker)
+            self._metrics.prefill.observe(time.monotonic() - sent)
             if params is None:
                 return self._fallback(ctx, "prefill_no_kv_params")
             ctx.handling = Handling.DISAGGREGATED

@@ -170,6 +170,21 @@ class RouterMetrics:
             buckets=_LATENCY_BUCKETS,
             registry=r,
         )
+        # With ttft and kv_handoff these split a disaggregated TTFT into its legs: waiting for a slot,
+        # the prefill, the handoff (the diagnosis names the leg that takes the time).
+        self.queue_wait = Histogram(
+            p + "queue_wait_seconds",
+            "Time a request waited for a worker slot, by pool",
+            ["pool"],
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            p + "prefill_seconds",
+            "The prefill leg: request sent to a prefill worker until its answer",
+            buckets=_LATENCY_BUCKETS,
+            registry=r,
+        )
         self.fallbacks = Counter(p + "fallbacks", "Aggregated fallbacks by reason", ["reason"], registry=r)
         self.retries = Counter(p + "retries", "Upstream attempts retried on another worker", ["pool"], registry=r)
         self.ejections = Counter(p + "ejections", "Workers ejected after consecutive failures", ["pool"], registry=r)
