@@ -44,6 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from splitserve.api.patch import merge_patch  # noqa: E402  (what the operator applies)
 from splitserve.api.spec import InferenceDeploymentSpec, Mode  # noqa: E402
 from splitserve.diagnosis.findings import DiagnosisInput  # noqa: E402
 from splitserve.diagnosis.model_facts import model_facts  # noqa: E402
@@ -58,7 +59,6 @@ from splitserve.optimization.autopilot import (  # noqa: E402
     sample_from_input,
     state_from_spec,
 )
-from splitserve.optimization.overrides import merge_patch  # noqa: E402  (what the operator applies)
 from splitserve.sim.config import PROFILES, EngineLimits, LatencyModel  # noqa: E402
 from splitserve.sim.scheduler import Scheduler, Sequence  # noqa: E402
 from splitserve.sim.speculative import SpeculativeModel, SpeculativeScheduler  # noqa: E402

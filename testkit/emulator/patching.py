@@ -12,7 +12,7 @@ class PatchError(ValueError):
 
 
 # The emulator keeps its own patch semantics rather than importing the operator's
-# (splitserve.optimization.overrides.merge_patch): it stands in for the API server the operator is
+# (splitserve.api.patch.merge_patch): it stands in for the API server the operator is
 # tested against, so a bug in the operator's merge must not be mirrored here.
 def merge_patch(target: Any, patch: Any) -> Any:
     """RFC 7386: dicts merge recursively, null deletes, everything else (lists too) replaces."""

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
+from splitserve.api.patch import merge_patch
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.diagnosis.findings import DiagnosisInput
 from splitserve.diagnosis.gpus import GpuChoice, choose_gpu
 from splitserve.diagnosis.model_facts import ModelFacts, model_facts
 from splitserve.diagnosis.telemetry import Telemetry
 from splitserve.io.prometheus import PrometheusUnavailable
-from splitserve.optimization.overrides import merge_patch
 
 LLAMA_8B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"],

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from splitserve.api.patch import merge_patch
 from splitserve.api.topology import LABEL_DEPLOYMENT
 from splitserve.io.kube import KubeError
-from splitserve.optimization.overrides import merge_patch
 
 Key = tuple[str, str, str, str]  # apiVersion, kind, namespace, name
 

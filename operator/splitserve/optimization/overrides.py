@@ -16,6 +16,7 @@ from typing import Any
 
 from pydantic import ValidationError
 
+from splitserve.api.patch import merge_patch
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.validation import validate_object
 
@@ -26,19 +27,6 @@ OVERRIDE_PATHS: dict[str, tuple[tuple[str, ...], ...]] = {
     "speculativeDecoding": (("engine", "speculativeDecoding"),),
     "ratio": (("prefill", "replicas"), ("autoscaling", "prefillDecodeRatio")),
 }
-
-
-def merge_patch(target: Any, patch: Any) -> Any:
-    """RFC 7386 JSON merge patch: objects merge recursively, null deletes, anything else replaces."""
-    if not isinstance(patch, Mapping):
-        return copy.deepcopy(patch)
-    result: dict[str, Any] = dict(copy.deepcopy(target)) if isinstance(target, Mapping) else {}
-    for key, value in patch.items():
-        if value is None:
-            result.pop(key, None)
-        else:
-            result[key] = merge_patch(result.get(key), value)
-    return result
 
 
 def merge_patch_between(old: Mapping[str, Any], new: Mapping[str, Any]) -> dict[str, Any]:
