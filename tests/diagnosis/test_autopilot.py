@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 
 from splitserve.api.spec import Mode
 from splitserve.diagnosis.model_facts import KvShape, ModelFacts
-from splitserve.diagnosis.questions import traffic_needs
+from splitserve.diagnosis.scale import traffic_needs
 from splitserve.diagnosis.telemetry import Reading, Telemetry
 from splitserve.optimization.autopilot import (
     Action,

@@ -55,6 +55,9 @@ class ScriptedTelemetry:
         return {}
 
 
+H100 = {"nvidia.com/gpu.product": "NVIDIA-H100-80GB-HBM3"}
+
+
 @pytest.fixture
 async def world() -> AsyncIterator[World]:
     async with reconciler_on_emulator(NAMESPACE) as cluster:
@@ -175,6 +178,9 @@ async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_r
         world,
         "auto",
         model={"name": "m", "source": {"uri": "s3://m"}, "parameterCount": 8_000_000_000},
+        # A GPU type the datasheet knows: the only case where capacity may come from it below saturation.
+        prefill={"nodeSelector": H100},
+        decode={"nodeSelector": H100},
         autoscaling={"enabled": True, "prefillDecodeRatio": {"min": 0.25, "max": 1.0}},
         optimization={"dynamic": True},
     )
@@ -198,3 +204,33 @@ async def test_with_the_autoscaler_on_a_ratio_change_widens_its_bounds_not_the_r
     after = {pool: (await pool_of(world, "auto", pool))["spec"]["replicas"] for pool in ("prefill", "decode")}
     assert after == before  # pool sizes stay the autoscaler's
     assert [reason for _, reason, _ in world.events].count("Optimized") == 1
+
+
+@pytest.mark.parametrize(
+    "pools",
+    [
+        pytest.param({"resources": {"gpus": 0, "cpu": "4", "memory": "16Gi"}}, id="cpu-only"),
+        pytest.param({}, id="gpu-type-unknown"),
+    ],
+)
+async def test_no_ratio_change_from_a_datasheet_that_does_not_apply(world: World, pools: dict[str, Any]) -> None:
+    # The same prompt-heavy traffic as above, on pools no datasheet describes and that are not saturated:
+    # their capacity is unknown, so the ratio lever has nothing to act on (issue 14 §7).
+    await create(
+        world,
+        "cpu",
+        model={"name": "m", "source": {"uri": "s3://m"}, "parameterCount": 8_000_000_000},
+        prefill=pools,
+        decode=pools,
+        autoscaling={"enabled": True, "prefillDecodeRatio": {"min": 0.25, "max": 1.0}},
+        optimization={"dynamic": True},
+    )
+    settings = AutopilotSettings()
+    samples = new_samples(settings)
+    prompt_heavy = ScriptedTelemetry(batch=8.0, requests=20.0, prompt_tokens=160_000.0, output_tokens=200.0)
+    for minute in range(15):
+        decision = await optimize(world, "cpu", prompt_heavy, samples, minute * MINUTE, settings)
+        assert decision is not None
+        assert decision.action is None or decision.action.kind != "ratio", decision.action
+    assert samples and all(sample.needed_ratio is None for sample in samples)
+    assert "prefillDecodeRatio" not in (await status(world, "cpu"))["autopilot"]["overrides"].get("autoscaling", {})

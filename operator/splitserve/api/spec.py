@@ -31,6 +31,7 @@ Quantity = Annotated[
 # Opaque Kubernetes objects passed through to pod specs (tolerations, affinity, valueFrom):
 # the API server validates them where they land, in the Deployment.
 Opaque = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
+MAX_POOL_REPLICAS = 1000  # a pool's replica fields' upper bound (the schema's `maximum`)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
 
 
@@ -233,9 +234,13 @@ class PoolSpec(ApiModel):
         ),
     )
 
-    replicas: int = Field(1, ge=0, le=1000, description="Replicas when autoscaling is off; the start size when on.")
-    min_replicas: int = Field(1, ge=0, le=1000, description="Lower bound for autoscaling (0 allows scale to zero).")
-    max_replicas: int = Field(4, ge=0, le=1000, description="Upper bound for autoscaling.")
+    replicas: int = Field(
+        1, ge=0, le=MAX_POOL_REPLICAS, description="Replicas when autoscaling is off; the start size when on."
+    )
+    min_replicas: int = Field(
+        1, ge=0, le=MAX_POOL_REPLICAS, description="Lower bound for autoscaling (0 allows scale to zero)."
+    )
+    max_replicas: int = Field(4, ge=0, le=MAX_POOL_REPLICAS, description="Upper bound for autoscaling.")
     tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs one engine instance spans.")
     resources: PoolResources = Field(default_factory=PoolResources)
     node_selector: dict[str, str] = Field(default_factory=dict)

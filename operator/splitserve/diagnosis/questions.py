@@ -8,10 +8,12 @@ constants below and documented in docs/diagnosis.md.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Sequence
 
-from splitserve.api.spec import InferenceDeploymentSpec, Mode, PoolSpec, RoutingPolicy
+from splitserve.api.patch import changes_spec
+from splitserve.api.spec import MAX_POOL_REPLICAS, InferenceDeploymentSpec, Mode, PoolSpec, RoutingPolicy
 from splitserve.diagnosis.findings import (
     Alternative,
     DiagnosisInput,
@@ -31,16 +33,15 @@ from splitserve.diagnosis.findings import (
     without_arg,
 )
 from splitserve.diagnosis.model_facts import parameter_count_from_name
+from splitserve.diagnosis.scale import TAIL_OVER_SLO, disaggregation, traffic_needs
 from splitserve.diagnosis.sizing import (
     RUNTIME_OVERHEAD_GIB,
     TIGHT_WEIGHT_SHARE,
-    Capacity,
     FitEstimate,
     Precision,
     estimate_fit,
     histogram_cv,
     precision,
-    replica_capacity,
 )
 
 # 1. Hardware-model fit
@@ -58,11 +59,7 @@ LARGE_BLOCK_SIZE = 32
 # 5. Per-token latency: speculative decoding pays while decode is memory-bound (small batches)
 LOW_LOAD_BATCH = 8.0
 HIGH_LOAD_BATCH = 32.0
-# 6. Disaggregation
-TTFT_INFLATION = 2.0  # TTFT p90 / prefill time p90 above this: prompts wait behind other work
-CAPACITY_HEADROOM = 0.7  # plan replicas to run at 70% of their estimated capacity
-RATIO_MISMATCH = 1.5  # current vs needed prefill:decode ratio off by more than this factor
-MIN_REQUEST_RATE = 0.01  # requests/s below which the window is "no traffic"
+# 6. Disaggregation and scale: constants in scale.py
 
 
 # --------------------------------------------------------------------------- 1. hardware-model fit
@@ -449,14 +446,14 @@ def _more_decode_replicas(inp: DiagnosisInput) -> tuple[str, Patch]:
     """One more decode replica, or as many as the observed traffic needs when that is more."""
     spec, decode = inp.spec, inp.spec.decode
     needs = traffic_needs(inp)
-    needed = math.ceil(needs[1]) if needs is not None else 0
+    needed = min(MAX_POOL_REPLICAS, math.ceil(needs[1])) if needs is not None else 0
     if spec.autoscaling.enabled:
-        ceiling = max(decode.max_replicas + 1, needed)
+        ceiling = min(MAX_POOL_REPLICAS, max(decode.max_replicas + 1, needed))
         return (
             f"add decode capacity: the autoscaler is capped at decode.maxReplicas {decode.max_replicas}",
             {"decode": {"maxReplicas": ceiling}},
         )
-    replicas = max(decode.replicas + 1, needed)
+    replicas = min(MAX_POOL_REPLICAS, max(decode.replicas + 1, needed))
     patch: Patch = {"decode": {"replicas": replicas}}
     if replicas > decode.max_replicas:
         patch["decode"]["maxReplicas"] = replicas
@@ -487,9 +484,19 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
         )
     itl, batch = tel.itl_p90, tel.running_per_replica
     evidence += [
-        Evidence(f"ITL p90 {fmt_value(itl.value and itl.value * 1000, '{:.1f}')} ms", prom_source(itl)),
+        Evidence(f"ITL p90 {_ms(itl.value)} (engines)", prom_source(itl)),
+        Evidence(f"ITL p99 {_ms(tel.itl_p99.value)} (engines)", prom_source(tel.itl_p99)),
         Evidence(f"batch size {fmt_value(batch.value, '{:.1f}')} (busiest worker)", prom_source(batch)),
     ]
+    router = tel.router
+    if router.itl_p90.known:
+        evidence.append(
+            Evidence(
+                f"ITL at the router (as clients see it) p90 {_ms(router.itl_p90.value)}, "
+                f"p99 {_ms(router.itl_p99.value)}",
+                prom_source(router.itl_p90),
+            )
+        )
     if itl.value is None:
         return answer(5, "unknown", "no decode traffic in the window", tuple(evidence))
     load = batch.value if batch.value is not None else 0.0
@@ -531,7 +538,54 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             recommendation,
             patch,
         )
-    return answer(5, "ok", f"ITL p90 {itl.value * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO", tuple(evidence))
+    tail = _itl_tail(inp, itl.value, slo)
+    if tail is not None:
+        tail_advice, tail_patch = tail[1]
+        return answer(5, "problem", tail[0], tuple(evidence), tail_advice, tail_patch)
+    return answer(
+        5,
+        "ok",
+        f"ITL p90 {itl.value * 1000:.0f} ms, p99 {_ms(tel.itl_p99.value)} meet the {slo * 1000:.0f} ms SLO"
+        + (f" (at the router p90 {_ms(router.itl_p90.value)})" if router.itl_p90.known else ""),
+        tuple(evidence),
+    )
+
+
+def _ms(seconds: float | None) -> str:
+    if seconds is None or math.isnan(seconds):
+        return "no data"
+    return f"{seconds * 1000:.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
+
+
+def _itl_tail(inp: DiagnosisInput, p90: float, slo: float) -> tuple[str, tuple[str, Patch | None]] | None:
+    """With the engines' p90 inside the SLO: a p99 far outside it, or clients seeing worse than the engines."""
+    tel = inp.telemetry
+    assert tel is not None
+    worst = [(f"engine ITL p99 {_ms(tel.itl_p99.value)}", tel.itl_p99.value)]
+    worst += [
+        (f"router ITL p90 {_ms(tel.router.itl_p90.value)}", tel.router.itl_p90.value),
+        (f"router ITL p99 {_ms(tel.router.itl_p99.value)}", tel.router.itl_p99.value),
+    ]
+    found = []
+    for label, value in worst:
+        if value is None or math.isnan(value):
+            continue
+        limit = slo if label.startswith("router ITL p90") else slo * TAIL_OVER_SLO
+        if value > limit:
+            found.append(f"{label} is {value / slo:.1f}x the SLO")
+    if not found:
+        return None
+    verdict = f"ITL p90 {p90 * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO, but the tail does not: " + ", ".join(
+        found
+    )
+    decode_busy = traffic_needs(inp)
+    if decode_busy is not None and decode_busy[1] > inp.spec.decode.replicas:
+        return verdict, _more_decode_replicas(inp)
+    return verdict, (
+        "tail stalls come from steps that take far longer than usual: decode steps that also take in KV or "
+        "prefill chunks, or a saturated decode pool (see question 6); one more decode replica spreads them",
+        None,
+    )
 
 
 def _lower_decode_batch(inp: DiagnosisInput, itl: float, slo: float) -> tuple[str, Patch]:
@@ -544,173 +598,6 @@ def _lower_decode_batch(inp: DiagnosisInput, itl: float, slo: float) -> tuple[st
             {"autoscaling": {"decode": {"runningPerReplica": target}}},
         )
     return _more_decode_replicas(inp)
-
-
-# --------------------------------------------------------------------------- 6. disaggregation and scale
-
-
-def disaggregation(inp: DiagnosisInput) -> QuestionResult:
-    spec, tel, facts = inp.spec, inp.telemetry, inp.facts
-    serving = (
-        f"mode {spec.mode}, {spec.decode.replicas} replica{'s' if spec.decode.replicas != 1 else ''} (decode pool)"
-        if spec.mode is Mode.AGGREGATED
-        else f"mode {spec.mode}, {spec.prefill.replicas} prefill / {spec.decode.replicas} decode replicas"
-    )
-    evidence = [Evidence(serving, "spec")]
-    if tel is None:
-        return answer(6, "unknown", inp.no_telemetry(f"traffic unknown; serving {spec.mode}"), tuple(evidence))
-    rate, prompt_rate, gen_rate = tel.request_rate, tel.prompt_tokens_rate, tel.generation_tokens_rate
-    ttft, prefill_time = tel.ttft_p90, tel.prefill_time_p90
-    evidence += [
-        Evidence(f"requests {fmt_value(rate.value)}/s", prom_source(rate)),
-        Evidence(f"prompt tokens {fmt_value(prompt_rate.value)}/s", prom_source(prompt_rate)),
-        Evidence(f"generated tokens {fmt_value(gen_rate.value)}/s", prom_source(gen_rate)),
-        Evidence(f"TTFT p90 {fmt_value(ttft.value)} s", prom_source(ttft)),
-        Evidence(f"prefill time p90 {fmt_value(prefill_time.value)} s", prom_source(prefill_time)),
-    ]
-    if rate.value is None or rate.value < MIN_REQUEST_RATE or prompt_rate.value is None or gen_rate.value is None:
-        return answer(6, "unknown", "no traffic in the window", tuple(evidence))
-    mean_prompt = prompt_rate.value / rate.value
-    mean_output = gen_rate.value / rate.value
-    inflation = ttft.value / prefill_time.value if ttft.value and prefill_time.value else None
-    evidence.append(
-        Evidence(
-            f"mean prompt {mean_prompt:.0f} tokens, mean output {mean_output:.0f} tokens, "
-            f"TTFT inflation {fmt_value(inflation, '{:.1f}x')}",
-            "derived",
-        )
-    )
-    needs = _needed_replicas(inp, prompt_rate.value, gen_rate.value, mean_prompt + mean_output / 2)
-    if needs is None:
-        capacity_note = "per-replica capacity unknown (parameter count unknown)"
-        evidence.append(Evidence(capacity_note, "model config"))
-    else:
-        evidence.append(
-            Evidence(
-                f"needed at {pct(CAPACITY_HEADROOM)} load: {needs[0]:.2f} prefill, {needs[1]:.2f} decode replicas "
-                f"(estimated {needs[2].prefill_tokens_per_s:,.0f} prefill / {needs[2].decode_tokens_per_s:,.0f} "
-                "decode tokens/s per replica)",
-                f"estimate from GPU {inp.gpus['decode'].gpu.name} datasheet and {facts.parameter_source}",
-            )
-        )
-    long_prompts = mean_prompt >= max(1, spec.router.disaggregation_threshold_tokens)
-    interfering = inflation is not None and inflation >= TTFT_INFLATION
-    if spec.mode is Mode.AGGREGATED:
-        busy = needs is None or needs[0] + needs[1] >= 1.0
-        if interfering and long_prompts and busy:
-            patch: Patch = {"mode": Mode.DISAGGREGATED.value}
-            if spec.kv_transfer.connector.value == "None":
-                patch["kvTransfer"] = {"connector": "NixlConnector"}
-            if needs is not None:
-                patch = merge_patches(patch, _ratio_patch(spec, needs[0], needs[1])) or patch
-            return answer(
-                6,
-                "recommend",
-                f"prefill/decode interference: TTFT p90 is {inflation:.1f}x the prefill time with "
-                f"{mean_prompt:.0f}-token prompts",
-                tuple(evidence),
-                "disaggregate: prefill and decode in separate pools, scaled independently",
-                patch,
-            )
-        return answer(
-            6,
-            "ok",
-            f"aggregated is enough (TTFT inflation {fmt_value(inflation, '{:.1f}x')}, "
-            f"mean prompt {mean_prompt:.0f} tokens)",
-            tuple(evidence),
-        )
-    if needs is not None and needs[0] + needs[1] < 1.0 and not interfering:
-        return answer(
-            6,
-            "recommend",
-            f"traffic fits one aggregated replica ({needs[0] + needs[1]:.2f} replicas of work): "
-            "disaggregation only adds a KV hop and idle GPUs",
-            tuple(evidence),
-            "serve aggregated until traffic grows",
-            {"mode": Mode.AGGREGATED.value},
-        )
-    if needs is None:
-        return answer(6, "ok", "disaggregated; prefill:decode ratio not estimated", tuple(evidence))
-    needed_ratio = needs[0] / needs[1] if needs[1] > 0 else math.inf
-    if spec.autoscaling.enabled:
-        bounds_patch = _ratio_patch(spec, needs[0], needs[1])
-        if not bounds_patch:
-            return answer(
-                6,
-                "ok",
-                f"disaggregated; the autoscaler sets the pools (needed prefill:decode {needed_ratio:.2f})",
-                tuple(evidence),
-            )
-        return answer(
-            6,
-            "recommend",
-            f"needed prefill:decode ratio {needed_ratio:.2f} lies outside autoscaling.prefillDecodeRatio",
-            tuple(evidence),
-            "widen the autoscaler's prefill:decode ratio bounds",
-            bounds_patch,
-        )
-    current_ratio = spec.prefill.replicas / spec.decode.replicas if spec.decode.replicas else math.inf
-    evidence.append(Evidence(f"prefill:decode needed {needed_ratio:.2f}, current {current_ratio:.2f}", "derived"))
-    off = max(needed_ratio, current_ratio) / max(min(needed_ratio, current_ratio), 1e-9)
-    if off <= RATIO_MISMATCH:
-        return answer(
-            6,
-            "ok",
-            f"disaggregated with a fitting prefill:decode ratio ({current_ratio:.2f}, needed {needed_ratio:.2f})",
-            tuple(evidence),
-        )
-    return answer(
-        6,
-        "recommend",
-        f"prefill:decode ratio {current_ratio:.2f} but traffic needs {needed_ratio:.2f}",
-        tuple(evidence),
-        "rebalance the pools to the traffic's prefill:decode ratio",
-        _ratio_patch(spec, needs[0], needs[1]),
-    )
-
-
-def _needed_replicas(
-    inp: DiagnosisInput, prompt_rate: float, gen_rate: float, context: float
-) -> tuple[float, float, Capacity] | None:
-    spec, facts, tel = inp.spec, inp.facts, inp.telemetry
-    if facts.parameter_count is None or facts.kv_shape is None:
-        return None
-    pool = spec.decode
-    prec = precision(spec, facts, pool_args(spec, pool))
-    capacity = replica_capacity(
-        facts.parameter_count,
-        prec.weight_bytes,
-        facts.kv_shape.bytes_per_token(prec.kv_bytes),
-        pool.tensor_parallel_size,
-        inp.gpus["decode"],
-        spec.autoscaling.decode.running_per_replica,
-        context,
-    )
-    hit_share = 0.0
-    if tel is not None and tel.prefix_hits_rate.value is not None and tel.prefix_queries_rate.value:
-        hit_share = min(1.0, tel.prefix_hits_rate.value / tel.prefix_queries_rate.value)
-    computed_prompt = prompt_rate * (1 - hit_share)  # cached prefix tokens cost no prefill compute
-    prefill = computed_prompt / (capacity.prefill_tokens_per_s * CAPACITY_HEADROOM)
-    decode = gen_rate / (capacity.decode_tokens_per_s * CAPACITY_HEADROOM)
-    return prefill, decode, capacity
-
-
-def _ratio_patch(spec: InferenceDeploymentSpec, prefill: float, decode: float) -> Patch:
-    prefill_replicas = max(1, math.ceil(prefill))
-    decode_replicas = max(1, math.ceil(decode))
-    if spec.autoscaling.enabled:
-        ratio = prefill_replicas / decode_replicas
-        bounds = spec.autoscaling.prefill_decode_ratio
-        if bounds is None or bounds.min <= ratio <= bounds.max:
-            return {}
-        return {"autoscaling": {"prefillDecodeRatio": {"min": min(bounds.min, ratio), "max": max(bounds.max, ratio)}}}
-    patch: Patch = {}
-    for name, replicas, pool in (("prefill", prefill_replicas, spec.prefill), ("decode", decode_replicas, spec.decode)):
-        entry: dict[str, int] = {"replicas": replicas}
-        if replicas > pool.max_replicas:
-            entry["maxReplicas"] = replicas
-        patch[name] = entry
-    return patch
 
 
 # --------------------------------------------------------------------------- all questions
@@ -726,16 +613,24 @@ QUESTIONS: tuple[Callable[[DiagnosisInput], QuestionResult], ...] = (
 
 
 def diagnose(inp: DiagnosisInput) -> list[QuestionResult]:
-    return [question(inp) for question in QUESTIONS]
+    return [without_noop_patches(inp.spec, question(inp)) for question in QUESTIONS]
 
 
-def traffic_needs(inp: DiagnosisInput) -> tuple[float, float] | None:
-    """(prefill, decode) replicas the observed traffic needs at the planning headroom, or None if unknown."""
-    tel = inp.telemetry
-    if tel is None:
-        return None
-    rate, prompt, generated = tel.request_rate.value, tel.prompt_tokens_rate.value, tel.generation_tokens_rate.value
-    if rate is None or rate < MIN_REQUEST_RATE or prompt is None or generated is None:
-        return None
-    needs = _needed_replicas(inp, prompt, generated, (prompt + generated / 2) / rate)
-    return None if needs is None else (needs[0], needs[1])
+def without_noop_patches(spec: InferenceDeploymentSpec, result: QuestionResult) -> QuestionResult:
+    """A finding never carries a patch that leaves the spec as it is (or makes it invalid).
+
+    The questions try not to build one; this is the net under them. A "recommend" whose only change is
+    already in the spec has nothing left to recommend; a "problem" stands, with the patch dropped and
+    the recommendation saying so.
+    """
+    alternatives = tuple(option for option in result.alternatives if changes_spec(spec, option.patch))
+    if result.patch is None or changes_spec(spec, result.patch):
+        return dataclasses.replace(result, alternatives=alternatives)
+    if result.status == "recommend":
+        verdict = f"{result.verdict} (the spec already has the change this calls for)"
+        return dataclasses.replace(
+            result, status="ok", verdict=verdict, recommendation="", patch=None, alternatives=alternatives
+        )
+    note = "the spec already asks for this: the change has to come from outside it"
+    recommendation = f"{result.recommendation} ({note})" if result.recommendation else note
+    return dataclasses.replace(result, recommendation=recommendation, patch=None, alternatives=alternatives)

@@ -48,6 +48,53 @@ NO_DATA = Reading(None, "")
 
 
 @dataclass(frozen=True)
+class PoolReadings:
+    """What one pool's engines did over the window, summed over its workers (per replica = / replicas)."""
+
+    replicas: Reading = NO_DATA  # workers that reported in the window
+    running: Reading = NO_DATA  # window average of vllm:num_requests_running, summed over workers
+    waiting: Reading = NO_DATA  # the same for vllm:num_requests_waiting (queued in the engine)
+    waiting_growth: Reading = NO_DATA  # requests/s the engine queue grew by over the window (deriv)
+    # vLLM splits `waiting` by reason: "capacity" (no batch slot or KV blocks: the engine is full) and
+    # "deferred" (held by a transient constraint; on decode, chiefly the pull of a prompt's remote KV).
+    waiting_for_capacity: Reading = NO_DATA
+    waiting_for_capacity_growth: Reading = NO_DATA
+    waiting_deferred: Reading = NO_DATA
+    kv_fetching: Reading = NO_DATA  # requests waiting on a KV pull (vLLM's kv_fetch_by_stage, all stages)
+    prompt_tokens_rate: Reading = NO_DATA
+    prefix_hits_rate: Reading = NO_DATA
+    generation_tokens_rate: Reading = NO_DATA
+    requests_rate: Reading = NO_DATA  # finished requests / s
+    itl_mean: Reading = NO_DATA  # mean seconds between two tokens of a request (one engine step)
+    queue_time_mean: Reading = NO_DATA  # mean seconds a request waited in the engine before it ran
+    ttft_mean: Reading = NO_DATA  # engine-side: arrival at this engine to its first token
+    ttft_p90: Reading = NO_DATA
+
+    @property
+    def reported(self) -> bool:
+        return bool(self.replicas.value)
+
+
+@dataclass(frozen=True)
+class RouterReadings:
+    """The router's view: what clients see, and the legs of a disaggregated request."""
+
+    arrival_rate: Reading = NO_DATA  # requests received / s
+    completion_rate: Reading = NO_DATA  # requests finished / s, whatever the outcome
+    error_rate: Reading = NO_DATA  # requests finished with a 5xx-type outcome / s
+    ttft_mean: Reading = NO_DATA
+    ttft_p90: Reading = NO_DATA
+    ttft_p99: Reading = NO_DATA
+    itl_p90: Reading = NO_DATA
+    itl_p99: Reading = NO_DATA
+    queue_wait_mean: Reading = NO_DATA  # waiting for a worker slot, summed over the pools a request visits
+    prefill_leg_mean: Reading = NO_DATA
+    kv_handoff_mean: Reading = NO_DATA
+    kv_handoff_p90: Reading = NO_DATA
+    queue_depth: Reading = NO_DATA  # window average, all pools
+
+
+@dataclass(frozen=True)
 class Telemetry:
     window: str = "5m"
     prefix_hits_rate: Reading = NO_DATA  # cached prompt tokens / s
@@ -68,7 +115,16 @@ class Telemetry:
     request_rate: Reading = NO_DATA
     prompt_tokens_rate: Reading = NO_DATA
     generation_tokens_rate: Reading = NO_DATA
+    itl_p99: Reading = NO_DATA  # decode engines
+    ttft_p99: Reading = NO_DATA  # engines
+    kv_transfer_mean: Reading = NO_DATA  # NIXL: mean seconds of one KV transfer on decode
+    prefill: PoolReadings = PoolReadings()
+    decode: PoolReadings = PoolReadings()
+    router: RouterReadings = RouterReadings()
     notes: tuple[str, ...] = field(default_factory=tuple)
+
+    def pool(self, role: str) -> PoolReadings:
+        return self.prefill if role == "prefill" else self.decode
 
 
 @dataclass(frozen=True)
@@ -88,7 +144,19 @@ PREFILL_ROLES = 'role=~"prefill|aggregated"'
 
 
 def _p90(metric: str, selector: str, window: str) -> str:
-    return f"histogram_quantile(0.9, sum by (le) (rate({metric}_bucket{{{selector}}}[{window}])))"
+    return _quantile(0.9, metric, selector, window)
+
+
+def _quantile(q: float, metric: str, selector: str, window: str) -> str:
+    return f"histogram_quantile({q:g}, sum by (le) (rate({metric}_bucket{{{selector}}}[{window}])))"
+
+
+def _mean(metric: str, selector: str, window: str) -> str:
+    """A histogram's mean over the window: means add up along a request's legs, quantiles do not."""
+    return f"sum(rate({metric}_sum{{{selector}}}[{window}])) / sum(rate({metric}_count{{{selector}}}[{window}]))"
+
+
+POOL_ROLES = {"prefill": 'role="prefill"', "decode": DECODE_ROLES}
 
 
 def _join(*matchers: str) -> str:
@@ -125,8 +193,67 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
     buckets = sorted(
         (_parse_le(dict(labels)["le"]), value) for labels, value in raw_buckets.items() if "le" in dict(labels)
     )
+
+    async def pool(role: str) -> PoolReadings:
+        sel = _join(e, POOL_ROLES[role])
+        for_capacity, deferred = _join(sel, 'reason="capacity"'), _join(sel, 'reason="deferred"')
+        return PoolReadings(
+            replicas=await scalar(f"count(max_over_time(vllm:num_requests_running{{{sel}}}[{w}]))"),
+            running=await scalar(f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))"),
+            waiting=await scalar(f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))"),
+            waiting_growth=await scalar(f"sum(deriv(vllm:num_requests_waiting{{{sel}}}[{w}]))"),
+            waiting_for_capacity=await scalar(
+                f"sum(avg_over_time(vllm:num_requests_waiting_by_reason{{{for_capacity}}}[{w}]))"
+            ),
+            waiting_for_capacity_growth=await scalar(
+                f"sum(deriv(vllm:num_requests_waiting_by_reason{{{for_capacity}}}[{w}]))"
+            ),
+            waiting_deferred=await scalar(
+                f"sum(avg_over_time(vllm:num_requests_waiting_by_reason{{{deferred}}}[{w}]))"
+            ),
+            kv_fetching=await scalar(f"sum(avg_over_time(vllm:num_requests_kv_fetch_by_stage{{{sel}}}[{w}]))"),
+            prompt_tokens_rate=await scalar(f"sum(rate(vllm:prompt_tokens_total{{{sel}}}[{w}]))"),
+            prefix_hits_rate=await scalar(f"sum(rate(vllm:prefix_cache_hits_total{{{sel}}}[{w}]))"),
+            generation_tokens_rate=await scalar(f"sum(rate(vllm:generation_tokens_total{{{sel}}}[{w}]))"),
+            requests_rate=await scalar(f"sum(rate(vllm:request_success_total{{{sel}}}[{w}]))"),
+            itl_mean=await scalar(_mean("vllm:inter_token_latency_seconds", sel, w)),
+            queue_time_mean=await scalar(_mean("vllm:request_queue_time_seconds", sel, w)),
+            ttft_mean=await scalar(_mean("vllm:time_to_first_token_seconds", sel, w)),
+            ttft_p90=await scalar(_p90("vllm:time_to_first_token_seconds", sel, w)),
+        )
+
+    failed = _join(r, 'outcome=~"upstream_error|stream_error|no_capacity"')
+    decode_waits = _join(r, 'pool="decode"')
+    router = RouterReadings(
+        arrival_rate=await scalar(f"sum(rate(splitserve_router_prompt_tokens_count{{{r}}}[{w}]))"),
+        completion_rate=await scalar(f"sum(rate(splitserve_router_requests_total{{{r}}}[{w}]))"),
+        error_rate=await scalar(f"sum(rate(splitserve_router_requests_total{{{failed}}}[{w}]))"),
+        ttft_mean=await scalar(_mean("splitserve_router_ttft_seconds", r, w)),
+        ttft_p90=await scalar(_quantile(0.9, "splitserve_router_ttft_seconds", r, w)),
+        ttft_p99=await scalar(_quantile(0.99, "splitserve_router_ttft_seconds", r, w)),
+        itl_p90=await scalar(_quantile(0.9, "splitserve_router_itl_seconds", r, w)),
+        itl_p99=await scalar(_quantile(0.99, "splitserve_router_itl_seconds", r, w)),
+        # Per request, the waits of both pools add up: sum of the waits / requests that waited for decode.
+        queue_wait_mean=await scalar(
+            f"sum(rate(splitserve_router_queue_wait_seconds_sum{{{r}}}[{w}])) / "
+            f"sum(rate(splitserve_router_queue_wait_seconds_count{{{decode_waits}}}[{w}]))"
+        ),
+        prefill_leg_mean=await scalar(_mean("splitserve_router_prefill_seconds", r, w)),
+        kv_handoff_mean=await scalar(_mean("splitserve_router_kv_handoff_seconds", r, w)),
+        kv_handoff_p90=await scalar(_p90("splitserve_router_kv_handoff_seconds", r, w)),
+        queue_depth=await scalar(f"sum(avg_over_time(splitserve_router_queue_depth{{{r}}}[{w}]))"),
+    )
     return Telemetry(
         window=w,
+        prefill=await pool("prefill"),
+        decode=await pool("decode"),
+        router=router,
+        itl_p99=await first_of(
+            _quantile(0.99, "vllm:inter_token_latency_seconds", decode, w),
+            _quantile(0.99, "vllm:inter_token_latency_seconds", e, w),
+        ),
+        ttft_p99=await scalar(_quantile(0.99, "vllm:time_to_first_token_seconds", e, w)),
+        kv_transfer_mean=await scalar(_mean("vllm:nixl_xfer_time_seconds", decode, w)),
         prefix_hits_rate=await scalar(f"sum(rate(vllm:prefix_cache_hits_total{{{e}}}[{w}]))"),
         prefix_queries_rate=await scalar(f"sum(rate(vllm:prefix_cache_queries_total{{{e}}}[{w}]))"),
         output_tokens_sum_rate=await scalar(f"sum(rate(splitserve_router_output_tokens_sum{{{r}}}[{w}]))"),

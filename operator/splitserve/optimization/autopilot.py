@@ -43,7 +43,7 @@ from typing import Any, Literal
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
 from splitserve.api.status import OptimizationEvent
 from splitserve.diagnosis.findings import DiagnosisInput
-from splitserve.diagnosis.questions import traffic_needs
+from splitserve.diagnosis.scale import traffic_needs
 
 ActionKind = Literal["mode", "speculativeDecoding", "ratio"]
 TargetMetric = Literal["itl_p90", "tpot_p90", "ttft_p90"]

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from splitserve.api.patch import merge_patch
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.api.status import AutopilotStatus, InferenceDeploymentStatus, OptimizationEvent
 from splitserve.controller.reconcile import Reconciler, RetryLater, read_live
@@ -40,7 +41,6 @@ from splitserve.optimization.autopilot import (
 from splitserve.optimization.overrides import (
     active_overrides,
     declared,
-    merge_patch,
     minimal,
     servable,
     served_spec,
