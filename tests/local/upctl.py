@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import queue
 import re
 import signal
@@ -10,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -69,12 +71,13 @@ class UpRun:
                 self.popen.wait(timeout=10)
 
 
-def start_up(*args: str, run_dir: Path) -> UpRun:
+def start_up(*args: str, run_dir: Path, env: Mapping[str, str] | None = None) -> UpRun:
     popen = subprocess.Popen(
         [sys.executable, "-m", "splitserve", "up", "--run-dir", str(run_dir), *args],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        env={**os.environ, **env} if env is not None else None,
     )
     run = UpRun(popen=popen, run_dir=run_dir)
     threading.Thread(target=run._pump, daemon=True).start()

@@ -18,11 +18,13 @@ from splitserve.local.control import NoStack, find_stack, follow, submit
 from splitserve.local.deployment import TINY_MODEL_URI, DeploymentFileError, load_deployment
 from splitserve.local.plan import Engine
 from splitserve.local.ports import LOOPBACK, PortAllocator, is_port_free
+from splitserve.local.prometheus import DEFAULT_PORT as PROMETHEUS_PORT
 from splitserve.local.stack import VLLM_WORKERS_WARNING, LocalStack, UpOptions, vllm_missing
 from splitserve.local.supervisor import Progress
 from splitserve.validation import load_documents
 
 DEFAULT_ROUTER_PORT = 8000
+DEFAULT_PROMETHEUS_PORT = PROMETHEUS_PORT
 CACHE_DIR = Path.home() / ".cache" / "splitserve"
 # Running stacks register here (control.py), so `up --apply FILE` finds the one serving FILE's deployment.
 STACKS_DIR = CACHE_DIR / "stacks"
@@ -88,21 +90,37 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--stop-grace", type=float, default=15.0, metavar="SECONDS", help="wait this long after SIGTERM, then SIGKILL"
     )
     parser.add_argument("--sim-profile", help="engine sim: calibration profile passed to each simulator")
+    parser.add_argument(
+        "--prometheus",
+        action="store_true",
+        help="also run a Prometheus (the `prometheus` binary on PATH) scraping every process every 2 s, with the "
+        "labels `splitserve diagnose -f FILE --prometheus URL` matches by default",
+    )
+    parser.add_argument(
+        "--prometheus-port",
+        type=int,
+        default=None,
+        help=f"with --prometheus: its port (default {DEFAULT_PROMETHEUS_PORT}, or any free port if that is busy)",
+    )
 
 
 def _router_port(requested: int | None) -> tuple[int, str | None]:
     """The router's port and a note when it is not the one asked for; ValueError when a requested port is busy."""
+    return _port(requested, DEFAULT_ROUTER_PORT, "the router", "--port")
+
+
+def _port(requested: int | None, default: int, what: str, flag: str) -> tuple[int, str | None]:
     if requested is None:
-        if is_port_free(DEFAULT_ROUTER_PORT):
-            return DEFAULT_ROUTER_PORT, None
+        if is_port_free(default):
+            return default, None
         port = PortAllocator().allocate()
-        return port, f"port {DEFAULT_ROUTER_PORT} is busy; the router uses {port} (choose one with --port)"
+        return port, f"port {default} is busy; {what} uses {port} (choose one with {flag})"
     if requested == 0:
         return PortAllocator().allocate(), None
     if not 1 <= requested <= 65535:
-        raise ValueError(f"--port {requested} is not a TCP port (1-65535, or 0 for any free port)")
+        raise ValueError(f"{flag} {requested} is not a TCP port (1-65535, or 0 for any free port)")
     if not is_port_free(requested):
-        raise ValueError(f"port {requested} on {LOOPBACK} is in use; choose another with --port (0: any free port)")
+        raise ValueError(f"port {requested} on {LOOPBACK} is in use; choose another with {flag} (0: any free port)")
     return requested, None
 
 
@@ -210,6 +228,15 @@ def run(args: argparse.Namespace) -> int:
         return 1
     try:
         router_port, port_note = _router_port(args.port)
+        prometheus_port, prometheus_note = None, None
+        if args.prometheus:
+            prometheus_port, prometheus_note = _port(
+                args.prometheus_port, DEFAULT_PROMETHEUS_PORT, "Prometheus", "--prometheus-port"
+            )
+            if prometheus_port == router_port:
+                raise ValueError(f"--prometheus-port {prometheus_port} is the router's port")
+        elif args.prometheus_port is not None:
+            raise ValueError("--prometheus-port needs --prometheus")
         run_dir = _run_dir(args.run_dir, deployment.name)
     except (ValueError, OSError) as error:
         print(f"error: {error}", file=sys.stderr)
@@ -222,8 +249,9 @@ def run(args: argparse.Namespace) -> int:
         f"{'decode' if deployment.disaggregated else 'aggregated'} worker(s), engine {engine.value}"
     )
     progress.say(f"logs: {run_dir}")
-    if port_note:
-        progress.say(port_note)
+    for note in (port_note, prometheus_note):
+        if note:
+            progress.say(note)
     workers = deployment.prefill_replicas + deployment.decode_replicas
     if engine is Engine.VLLM and workers > VLLM_WORKERS_WARNING:
         progress.say(f"warning: {workers} vLLM workers need about {workers * 2.3:.0f} GB of memory")
@@ -240,5 +268,6 @@ def run(args: argparse.Namespace) -> int:
         sim_profile=args.sim_profile,
         deployment_file=args.filename,
         registry=STACKS_DIR,
+        prometheus_port=prometheus_port,
     )
     return LocalStack(deployment, options, progress).run()

@@ -36,6 +36,7 @@ from splitserve.local.plan import (
     uses_tiny_model,
 )
 from splitserve.local.ports import LOOPBACK, PortAllocator
+from splitserve.local.prometheus import INSTALL_HINT, LocalPrometheus, find_binary, scrape_groups
 from splitserve.local.requestlog import RequestLogFollower
 from splitserve.local.rollout import Fleet, Generation, Outcome, ServingDied
 from splitserve.local.smoke import example_commands, send_smoke_request
@@ -71,6 +72,8 @@ class UpOptions:
     registry: Path | None = None
     # How often the file and the --apply folder are looked at.
     watch_seconds: float = 0.5
+    # --prometheus: the port a local Prometheus scraping the stack listens on (None: no Prometheus).
+    prometheus_port: int | None = None
 
 
 def splitserve_command() -> tuple[str, ...]:
@@ -105,6 +108,8 @@ class LocalStack:
         self.watch = FileWatch(options.deployment_file) if options.deployment_file is not None else None
         self._follower: RequestLogFollower | None = None
         self._spec_files = 0
+        self.prometheus: LocalPrometheus | None = None
+        self._prometheus_process: RunningProcess | None = None
 
     @property
     def endpoint(self) -> str:
@@ -220,14 +225,53 @@ class LocalStack:
         router = self.supervisor.start(plan_router(self.deployment, generation.plan_inputs))
         self.supervisor.wait_ready([router], self.options.startup_timeout)
         self.fleet.router = router
+        self._start_prometheus()
         memory_mb = self.supervisor.memory_bytes() / 2**20
         self.progress.say(f"all {len(workers) + 1} processes ready ({memory_mb:.0f} MiB resident)")
         print(f"OpenAI endpoint: {self.endpoint}   (model {self.model_name!r})", flush=True)
+        if self.prometheus is not None:
+            file = self.options.deployment_file or Path("FILE")
+            print(f"Prometheus: {self.prometheus.url}   (scraping the router and every worker)", flush=True)
+            print(
+                f"  diagnose: splitserve diagnose -f {file} --prometheus {self.prometheus.url} --window 2m", flush=True
+            )
         if not self.options.smoke:
             curl, python = example_commands(self.endpoint, self.model_name)
             print(f"  try: {curl}", flush=True)
             print(f"   or: {python}", flush=True)
             print("Ctrl-C stops everything.", flush=True)
+
+    def _start_prometheus(self) -> None:
+        """--prometheus: start the server once the router is up, or say why there is none (never fatal)."""
+        port = self.options.prometheus_port
+        if port is None:
+            return
+        binary = find_binary()
+        if binary is None:
+            self.progress.say(f"warning: --prometheus: no prometheus binary found ({INSTALL_HINT}); serving without it")
+            return
+        self.ports.reserve(port)
+        prometheus = LocalPrometheus(self.options.run_dir, port, binary)
+        self.prometheus = prometheus
+        self._update_targets()
+        process = self.supervisor.start(prometheus.process_spec())
+        try:
+            self.supervisor.wait_ready([process], self.options.startup_timeout)
+        except StartupError as error:
+            self.progress.say(f"warning: prometheus did not start ({error}); serving without it")
+            self.supervisor.stop([process])
+            self.prometheus = None
+            return
+        self._prometheus_process = process
+
+    def _update_targets(self) -> None:
+        """The scrape targets follow the serving processes (called at start, after changes, every look)."""
+        if self.prometheus is None:
+            return
+        namespace = str(self.deployment.document.get("metadata", {}).get("namespace") or "default")
+        specs = [process.spec for process in self.fleet.serving()]
+        if self.prometheus.write_targets(scrape_groups(self.deployment.name, namespace, specs)):
+            self.progress.say(f"prometheus: scraping {len(specs)} processes")
 
     def _smoke(self) -> int:
         self.progress.say("smoke test: one completion through the router")
@@ -248,6 +292,7 @@ class LocalStack:
         return follower
 
     def _name_workers(self, workers: Sequence[RunningProcess]) -> None:
+        self._update_targets()  # new workers are scraped from their start, during a rollout too
         if self._follower is not None:
             self._follower.add_names({worker.spec.base_url: worker.name for worker in workers})
 
@@ -285,10 +330,22 @@ class LocalStack:
                     return self._died(error.process)
                 except StopRequested:
                     break
+                self._update_targets()
+                self._check_prometheus()
                 next_look = time.monotonic() + self.options.watch_seconds
             time.sleep(POLL_SECONDS)
         self.progress.say(f"{self.supervisor.stop_reason}: stopping")
         return 0
+
+    def _check_prometheus(self) -> None:
+        """A Prometheus that dies is reported once; the stack keeps serving (it is an observer)."""
+        process = self._prometheus_process
+        if process is not None and process.popen.poll() is not None:
+            self.progress.say(
+                f"warning: prometheus exited with code {process.popen.returncode} (log: {process.log_path}); "
+                "serving without it"
+            )
+            self._prometheus_process = None
 
     def _died(self, died: RunningProcess) -> int:
         self._fail(
