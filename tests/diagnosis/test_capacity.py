@@ -253,3 +253,72 @@ def test_itl_is_judged_on_its_tail_and_at_the_router(
     assert result.status == status, result.verdict
     if status == "problem":
         assert "ITL p90 48 ms meets the 50 ms SLO, but the tail does not" in result.verdict
+
+
+def test_decode_requests_waiting_beyond_the_kv_transfer_are_its_intake_queue(
+    make_spec: SpecFactory, make_input: InputFactory
+) -> None:
+    # 4 req/s at 41 ms per transfer keeps ~0.16 requests in the transfers themselves (Little's law):
+    # 3 deferred requests on average are queued for decode's KV intake, not moving bytes.
+    queued = {"replicas": 1, "running": 4.0, "waiting_deferred": 3.0, "waiting_for_capacity": 0.0}
+    decode = readings(PoolReadings, **queued, requests_rate=4.0, generation_tokens_rate=150.0, itl_mean=0.02)
+    load = pool_load("decode", decode, kv_transfer_s=0.041)
+    assert load is not None and load.saturated
+    assert "2.8 requests wait for their KV beyond the 41 ms transfer itself" in load.signs[0]
+    # Without the transfer time the deferred requests may all be transfers: no sign.
+    unknown = pool_load("decode", decode)
+    assert unknown is not None and not unknown.saturated
+    # Transfers slow enough to explain the deferred requests are not a queue: 4 req/s x 0.7 s = 2.8.
+    slow = pool_load("decode", decode, kv_transfer_s=0.7)
+    assert slow is not None and not slow.saturated
+    # Prefill has no KV intake.
+    prefill = pool_load("prefill", readings(PoolReadings, **queued, requests_rate=4.0), kv_transfer_s=0.041)
+    assert prefill is not None and not prefill.saturated
+
+    tel = telemetry(
+        prefill=UNSATURATED_PREFILL,
+        decode={**queued, "requests_rate": 4.0, "generation_tokens_rate": 150.0, "itl_mean": 0.02},
+        router={"arrival_rate": 4.0, "completion_rate": 4.0, "ttft_mean": 3.0, "prefill_leg_mean": 0.2,
+                "kv_handoff_mean": 2.5, "queue_wait_mean": 0.0},
+        kv_transfer_mean=0.041,
+        **TRAFFIC,
+    )  # fmt: skip
+    result = disaggregation(make_input(make_spec(CPU_POOLS), telemetry=tel, facts=FACTS_8B))
+    assert result.status == "problem" and result.verdict.startswith("decode pool saturated"), result.verdict
+    assert "decode's KV intake queues" in result.verdict
+
+
+def test_requests_held_in_decodes_server_are_a_backlog_its_engine_does_not_count(
+    make_spec: SpecFactory, make_input: InputFactory
+) -> None:
+    # The router has 26 requests in flight at decode; its engine counts 10 running (all decoding: 200
+    # tokens/s x 50 ms) and 2 pulling their KV: 14 are held by vLLM's API server, in no queue the engine reports.
+    engine = {
+        "replicas": 1,
+        "running": 10.0,
+        "waiting": 2.0,
+        "waiting_deferred": 2.0,
+        "waiting_for_capacity": 0.0,
+        "generation_tokens_rate": 200.0,
+        "itl_mean": 0.05,
+    }
+    load = pool_load("decode", readings(PoolReadings, **engine), router_inflight=26.0)
+    assert load is not None and load.saturated
+    assert "14.0 of the 26.0 requests the router has sent it are not in its engines yet" in load.signs[0]
+    # In flight at the router and counted by the engine: nothing held.
+    calm = pool_load("decode", readings(PoolReadings, **engine), router_inflight=12.5)
+    assert calm is not None and not calm.saturated
+    # No router gauge: no sign either way.
+    blind = pool_load("decode", readings(PoolReadings, **engine))
+    assert blind is not None and not blind.saturated
+
+    tel = telemetry(
+        prefill=UNSATURATED_PREFILL,
+        decode=engine,
+        router={"arrival_rate": 4.0, "completion_rate": 3.0, "ttft_mean": 4.0, "prefill_leg_mean": 0.3,
+                "kv_handoff_mean": 3.2, "queue_wait_mean": 0.0, "decode_inflight": 26.0},
+        **TRAFFIC,
+    )  # fmt: skip
+    result = disaggregation(make_input(make_spec(CPU_POOLS), telemetry=tel, facts=FACTS_8B))
+    assert result.status == "problem" and result.verdict.startswith("decode pool saturated"), result.verdict
+    assert "14.0 of the 26.0 requests in flight at decode are not in its engine yet" in result.verdict

@@ -75,7 +75,13 @@ class PoolCapacity:
         return self.per_replica is not None and self.basis in ("observed", "datasheet")
 
 
-def pool_load(role: str, readings: PoolReadings) -> PoolLoad | None:
+def pool_load(
+    role: str, readings: PoolReadings, kv_transfer_s: float | None = None, router_inflight: float | None = None
+) -> PoolLoad | None:
+    """What a pool did, and why it counts as saturated. On decode, `kv_transfer_s` (the mean NIXL transfer)
+    tells requests waiting on the transfer itself from requests queued for decode's KV intake, and
+    `router_inflight` (requests the router has sent to decode) shows requests its servers hold before
+    their engines see them."""
     if not readings.reported:
         return None
     replicas = readings.replicas.value or 1.0
@@ -106,9 +112,42 @@ def pool_load(role: str, readings: PoolReadings) -> PoolLoad | None:
     load = PoolLoad(
         role, replicas, throughput, readings.requests_rate.value, running, waiting, growth, deferred, decoding, ()
     )
+    intake = kv_intake_queue(load, kv_transfer_s)
+    if intake is not None and kv_transfer_s is not None and intake / replicas >= SATURATED_WAITING:
+        signs.append(
+            f"{intake:.1f} requests wait for their KV beyond the {kv_transfer_s * 1000:.0f} ms transfer itself "
+            "(its KV intake queues)"
+        )
+    held = server_backlog(load, router_inflight)
+    if (
+        held is not None
+        and router_inflight
+        and held / replicas >= STALLED_MIN
+        and held >= STALLED_SHARE * router_inflight
+    ):
+        signs.append(
+            f"{held:.1f} of the {router_inflight:.1f} requests the router has sent it are not in its engines yet "
+            "(held in vLLM's API server before the engine)"
+        )
     if role == "decode" and load.stalled / replicas >= STALLED_MIN and load.stalled >= STALLED_SHARE * running:
         signs.append(f"{load.stalled:.1f} of its {running:.1f} running requests produce no token (waiting on their KV)")
     return dataclasses.replace(load, signs=tuple(signs))
+
+
+def kv_intake_queue(load: PoolLoad, kv_transfer_s: float | None) -> float | None:
+    """Decode requests deferred for their KV beyond those the transfers themselves account for (Little's law:
+    requests/s x seconds per transfer are in flight at any time); None when the transfer time is unknown."""
+    if load.role != "decode" or kv_transfer_s is None or math.isnan(kv_transfer_s) or load.deferred <= 0:
+        return None
+    return max(0.0, load.deferred - (load.requests_rate or 0.0) * kv_transfer_s)
+
+
+def server_backlog(load: PoolLoad, router_inflight: float | None) -> float | None:
+    """Decode requests the router has in flight that its engines do not count (running or waiting): accepted
+    by vLLM's API server, not yet handed to the engine. None without the router's gauge."""
+    if load.role != "decode" or router_inflight is None or math.isnan(router_inflight):
+        return None
+    return max(0.0, router_inflight - load.running - load.waiting - load.deferred)
 
 
 def datasheet_capacity(inp: DiagnosisInput, role: str, context: float) -> tuple[float, str] | None:
@@ -153,7 +192,9 @@ def why_no_datasheet(inp: DiagnosisInput, role: str) -> str:
 
 def pool_capacity(inp: DiagnosisInput, role: str, context: float) -> PoolCapacity:
     tel = inp.telemetry
-    load = pool_load(role, tel.pool(role)) if tel is not None else None
+    load = None
+    if tel is not None:
+        load = pool_load(role, tel.pool(role), tel.kv_transfer_mean.value, tel.router.decode_inflight.value)
     sheet = datasheet_capacity(inp, role, context)
     observed = None
     if load is not None and load.throughput is not None:

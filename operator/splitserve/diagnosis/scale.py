@@ -11,13 +11,16 @@ import math
 
 from splitserve.api.spec import MAX_POOL_REPLICAS, InferenceDeploymentSpec, Mode
 from splitserve.diagnosis.capacity import (
+    SATURATED_WAITING,
     Offered,
     PoolCapacity,
     TtftBreakdown,
+    kv_intake_queue,
     needed_replicas,
     offered_load,
     pool_capacity,
     roles_in_use,
+    server_backlog,
     ttft_breakdown,
 )
 from splitserve.diagnosis.findings import (
@@ -132,6 +135,17 @@ def _where_time_goes(tel: Telemetry, breakdown: TtftBreakdown | None, caps: dict
         if transfer is not None and not math.isnan(transfer):
             text += f"; the KV transfer itself takes {transfer * 1000:.0f} ms"
         load = caps["decode"].load
+        intake = kv_intake_queue(load, transfer) if load is not None else None
+        if intake is not None and intake >= SATURATED_WAITING:
+            text += (
+                f"; {intake:.1f} requests on average wait in decode for their KV beyond that: decode's KV intake queues"
+            )
+        held = server_backlog(load, tel.router.decode_inflight.value) if load is not None else None
+        if held is not None and held >= 1:
+            text += (
+                f"; {held:.1f} of the {tel.router.decode_inflight.value:.1f} requests in flight at decode are not in "
+                "its engine yet: decode's server takes them in slower than they come"
+            )
         if load is not None and load.decoding is not None and load.stalled >= 1:
             text += (
                 f"; {load.stalled:.1f} of decode's {load.running:.1f} running requests produce no token: "

@@ -92,6 +92,7 @@ class RouterReadings:
     kv_handoff_mean: Reading = NO_DATA
     kv_handoff_p90: Reading = NO_DATA
     queue_depth: Reading = NO_DATA  # window average, all pools
+    decode_inflight: Reading = NO_DATA  # window average of requests the router has sent to decode workers
 
 
 @dataclass(frozen=True)
@@ -242,6 +243,7 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         kv_handoff_mean=await scalar(_mean("splitserve_router_kv_handoff_seconds", r, w)),
         kv_handoff_p90=await scalar(_p90("splitserve_router_kv_handoff_seconds", r, w)),
         queue_depth=await scalar(f"sum(avg_over_time(splitserve_router_queue_depth{{{r}}}[{w}]))"),
+        decode_inflight=await scalar(f"sum(avg_over_time(splitserve_router_inflight_requests{{{decode_waits}}}[{w}]))"),
     )
     return Telemetry(
         window=w,
