@@ -10,7 +10,7 @@ import yaml
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Mode
 from splitserve.local.deployment import TINY_MODEL_URI, DeploymentFileError, load_deployment, parse_deployment
 from splitserve.validation import validate_text
-from tests.local.upctl import REPO
+from testkit.upctl import REPO
 
 EXAMPLES = sorted((REPO / "deploy/local").glob("*.yaml"))
 

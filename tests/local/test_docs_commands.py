@@ -20,6 +20,7 @@ from pathlib import Path
 
 import pytest
 
+from testkit.upctl import ENDPOINT_LINE, REPO, start_up
 from tests.local.docblocks import (
     Block,
     add_curl_fail_flag,
@@ -29,7 +30,6 @@ from tests.local.docblocks import (
     fenced_blocks,
     rewrite_port,
 )
-from tests.local.upctl import ENDPOINT_LINE, REPO, start_up
 
 README = REPO / "README.md"
 LOCAL_README = REPO / "deploy/local/README.md"

@@ -13,7 +13,7 @@ from splitserve.local import stack
 from splitserve.local.deployment import load_deployment
 from splitserve.local.plan import Engine, plan_processes
 from splitserve.local.supervisor import Progress, StartupError
-from tests.local.upctl import REPO
+from testkit.upctl import REPO
 
 FAKE = Path(__file__).with_name("fake_splitserve.py")
 

@@ -22,7 +22,7 @@ import yaml
 from splitserve.local.plan import ProcessSpec
 from splitserve.local.prometheus import LocalPrometheus, scrape_groups, server_config
 from testkit.prometheus import requires_prometheus
-from tests.local.upctl import ENDPOINT_LINE, REPO, run_up, start_up
+from testkit.upctl import ENDPOINT_LINE, REPO, run_up, start_up
 
 PROMETHEUS_LINE = re.compile(r"^Prometheus: (http://127\.0\.0\.1:\d+) ")
 TINY = REPO / "deploy/local/tiny-disaggregated.yaml"

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from splitserve.local.procs import is_alive
-from tests.local.upctl import REPO, run_up
+from testkit.upctl import REPO, run_up
 
 DISAGGREGATED = REPO / "deploy/local/tiny-disaggregated.yaml"
 

@@ -23,7 +23,7 @@ import openai
 import pytest
 
 from splitserve.local.procs import is_alive
-from tests.local.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
+from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
 
 pytestmark = pytest.mark.slow
 

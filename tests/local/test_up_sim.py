@@ -13,7 +13,7 @@ import pytest
 
 from splitserve.local.ports import is_port_free
 from splitserve.local.procs import is_alive
-from tests.local.upctl import ENDPOINT_LINE, REPO, start_up
+from testkit.upctl import ENDPOINT_LINE, REPO, start_up
 
 # Each test starts three Python processes; on a shared 2-core machine that takes seconds.
 pytestmark = pytest.mark.slow

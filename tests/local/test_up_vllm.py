@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.local.ports import is_port_free
 from splitserve.local.procs import is_alive
-from tests.local.upctl import ENDPOINT_LINE, REPO, start_up
+from testkit.upctl import ENDPOINT_LINE, REPO, start_up
 
 # Ready in about 35 s on an idle 2-core machine, but over 200 s when other work shares the cores.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]

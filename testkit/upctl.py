@@ -1,4 +1,4 @@
-"""Driving `splitserve up` as a subprocess in tests: start it, read its lines, find its children."""
+"""Driving `splitserve up` as a subprocess in tests and benchmarks: start it, read its lines, find its children."""
 
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 from splitserve.local.procs import descendants
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 ENDPOINT_LINE = re.compile(r"OpenAI endpoint: (http://127\.0\.0\.1:(\d+)/v1)")
 
 
