@@ -33,7 +33,7 @@ from splitserve.diagnosis.findings import (
     without_arg,
 )
 from splitserve.diagnosis.model_facts import parameter_count_from_name
-from splitserve.diagnosis.scale import TAIL_OVER_SLO, disaggregation, traffic_needs
+from splitserve.diagnosis.scale import TAIL_OVER_SLO, disaggregation, traffic_needs, whole_replicas
 from splitserve.diagnosis.sizing import (
     RUNTIME_OVERHEAD_GIB,
     TIGHT_WEIGHT_SHARE,
@@ -446,7 +446,7 @@ def _more_decode_replicas(inp: DiagnosisInput) -> tuple[str, Patch]:
     """One more decode replica, or as many as the observed traffic needs when that is more."""
     spec, decode = inp.spec, inp.spec.decode
     needs = traffic_needs(inp)
-    needed = min(MAX_POOL_REPLICAS, math.ceil(needs[1])) if needs is not None else 0
+    needed = min(MAX_POOL_REPLICAS, whole_replicas(needs[1])) if needs is not None else 0
     if spec.autoscaling.enabled:
         ceiling = min(MAX_POOL_REPLICAS, max(decode.max_replicas + 1, needed))
         return (

@@ -70,9 +70,17 @@ def traffic_needs(inp: DiagnosisInput) -> tuple[float, float] | None:
     return prefill, decode
 
 
+def whole_replicas(needed: float) -> int:
+    """Replicas to ask for, rounded up; a need beyond any pool (a capacity near zero makes it infinite)
+    comes out as one more than a pool may have, so callers clamp it and can say the load needs more."""
+    if not math.isfinite(needed) or needed > MAX_POOL_REPLICAS:
+        return MAX_POOL_REPLICAS + 1
+    return math.ceil(needed)
+
+
 def ratio_patch(spec: InferenceDeploymentSpec, prefill: float, decode: float) -> Patch:
-    prefill_replicas = min(MAX_POOL_REPLICAS, max(1, math.ceil(prefill)))
-    decode_replicas = min(MAX_POOL_REPLICAS, max(1, math.ceil(decode)))
+    prefill_replicas = min(MAX_POOL_REPLICAS, max(1, whole_replicas(prefill)))
+    decode_replicas = min(MAX_POOL_REPLICAS, max(1, whole_replicas(decode)))
     if spec.autoscaling.enabled:
         ratio = prefill_replicas / decode_replicas
         bounds = spec.autoscaling.prefill_decode_ratio
@@ -174,11 +182,11 @@ def saturation(
         tokens = offered.prefill_tokens if cap.role == "prefill" else offered.decode_tokens
         pool = spec.prefill if cap.role == "prefill" else spec.decode
         needed = needed_replicas(cap, tokens, CAPACITY_HEADROOM)
-        wanted = max(pool.replicas + 1, math.ceil(needed) if needed is not None else 0)
+        wanted = max(pool.replicas + 1, whole_replicas(needed) if needed is not None else 0)
         replicas = min(wanted, MAX_POOL_REPLICAS)
         change, patch = grow_pool(spec, cap.role, replicas)
         if wanted > replicas:
-            change += f" (the most a pool may have; the load needs {wanted:,})"
+            change += " (the most a pool may have; the load needs more)"
         if needed is not None:
             change += (
                 f" (offered {tokens:,.0f} {cap.load.unit if cap.load else ''} at {pct(CAPACITY_HEADROOM)} of "
