@@ -168,9 +168,33 @@ def test_waiting_for_kv_is_not_waiting_for_a_slot(make_spec: SpecFactory, make_i
 
 
 def test_a_growing_queue_saturates_before_its_average_is_high() -> None:
-    growing = readings(PoolReadings, replicas=1, waiting=0.2, waiting_growth=0.2, prompt_tokens_rate=900.0)
+    growing = readings(
+        PoolReadings, replicas=1, waiting=0.2, waiting_growth=0.2, waiting_floor=1.0, prompt_tokens_rate=900.0
+    )
     load = pool_load("prefill", growing)
     assert load is not None and load.saturated and "grows by 0.20" in load.signs[0]
+
+
+def test_a_flickering_queue_is_not_growth() -> None:
+    """An engine with free slots admits its queue at the next step: a 0/1 waiting gauge whose deriv comes out
+    positive (seen in CI: +0.06/s on a decode pool at a quarter of its slots) emptied lately, so it is noise."""
+    flickering = readings(
+        PoolReadings, replicas=1, waiting=0.2, waiting_growth=0.06, waiting_floor=0.0, generation_tokens_rate=454.0
+    )
+    load = pool_load("decode", flickering)
+    assert load is not None and not load.saturated, load.signs
+    by_reason = readings(
+        PoolReadings,
+        replicas=1,
+        waiting=0.2,
+        waiting_for_capacity=0.2,
+        waiting_for_capacity_growth=0.06,
+        waiting_for_capacity_floor=0.0,
+        waiting_floor=1.0,  # the total did not empty, but only "deferred" requests kept it up
+        generation_tokens_rate=454.0,
+    )
+    load = pool_load("decode", by_reason)
+    assert load is not None and not load.saturated, load.signs
 
 
 def test_every_pool_saturated_is_named_as_overload(make_spec: SpecFactory, make_input: InputFactory) -> None:

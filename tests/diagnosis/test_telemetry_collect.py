@@ -10,7 +10,7 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
-from splitserve.diagnosis.telemetry import TelemetryScope, collect, default_scope
+from splitserve.diagnosis.telemetry import TelemetryScope, collect, default_scope, tail_of, window_seconds
 from splitserve.io.prometheus import PrometheusClient
 from splitserve.io.telemetry import gather_telemetry, run_diagnosis
 from tests.diagnosis.conftest import FakePrometheus, SpecFactory
@@ -137,3 +137,19 @@ async def test_run_diagnosis_with_unreachable_url_answers_from_the_spec(make_spe
         for r in report.results
         if r.key != "hardware-fit" and r.status == "unknown"
     )
+
+
+@pytest.mark.parametrize(
+    ("window", "seconds", "tail"),
+    [("20s", 20, "5s"), ("5m", 300, "75s"), ("1h30m", 5400, "1350s"), ("2s", 2, "1s"), ("soon", None, "soon")],
+)
+def test_the_window_tail_is_its_last_quarter(window: str, seconds: float | None, tail: str) -> None:
+    assert window_seconds(window) == seconds
+    assert tail_of(window) == tail
+
+
+async def test_queue_floors_read_the_window_tail(fake_prometheus: Callable[..., FakePrometheus]) -> None:
+    prom = fake_prometheus({}, {})
+    await collect(prom, TelemetryScope('namespace="ml"', 'namespace="ml"', "20s"))
+    floors = [q for q in prom.queries if "min_over_time" in q]
+    assert len(floors) == 4 and all(q.endswith("[5s]))") for q in floors), floors

@@ -21,7 +21,8 @@ from splitserve.diagnosis.sizing import precision, replica_capacity
 from splitserve.diagnosis.telemetry import PoolReadings, Telemetry
 
 SATURATED_WAITING = 0.5  # requests queued in the engine per replica, window average
-QUEUE_GROWTH = 0.05  # requests/s the engine queue grows by: still filling up at the end of the window
+QUEUE_GROWTH = 0.05  # requests/s the engine queue grows by: still filling up at the end of the window,
+# counted only when the queue did not empty in the window's last quarter (a flickering queue's deriv is noise)
 STALLED_SHARE = 0.5  # decode: share of running requests that produce no token (waiting on their KV)
 STALLED_MIN = 1.0  # ... and at least this many, window average per replica
 MIN_THROUGHPUT = 1.0  # tokens/s per replica: a saturated pool serving less is stuck, not slow (no capacity)
@@ -97,9 +98,11 @@ def pool_load(
     if readings.waiting_for_capacity.known:
         waiting = readings.waiting_for_capacity.value or 0.0
         growth = readings.waiting_for_capacity_growth.value or 0.0
+        floor = readings.waiting_for_capacity_floor.value or 0.0
     else:
         waiting = readings.waiting.value or 0.0
         growth = readings.waiting_growth.value or 0.0
+        floor = readings.waiting_floor.value or 0.0
     deferred = readings.waiting_deferred.value or 0.0
     decoding = None
     if role == "decode" and throughput is not None and readings.itl_mean.value is not None:
@@ -107,8 +110,8 @@ def pool_load(
     signs: list[str] = []
     if waiting / replicas >= SATURATED_WAITING:
         signs.append(f"{waiting:.1f} requests wait for a batch slot in its engines on average")
-    elif growth >= QUEUE_GROWTH and waiting > 0:
-        signs.append(f"its engine queue grows by {growth:.2f} requests/s")
+    elif growth >= QUEUE_GROWTH and floor > 0:
+        signs.append(f"its engine queue grows by {growth:.2f} requests/s and did not empty lately")
     load = PoolLoad(
         role, replicas, throughput, readings.requests_rate.value, running, waiting, growth, deferred, decoding, ()
     )

@@ -15,6 +15,7 @@ the matchers with the CLI's --engine-selector / --router-selector.
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -55,10 +56,15 @@ class PoolReadings:
     running: Reading = NO_DATA  # window average of vllm:num_requests_running, summed over workers
     waiting: Reading = NO_DATA  # the same for vllm:num_requests_waiting (queued in the engine)
     waiting_growth: Reading = NO_DATA  # requests/s the engine queue grew by over the window (deriv)
+    # The fewest requests waiting at any scrape of the window's last quarter (summed over workers). An engine
+    # with a free batch slot admits its queue at the next step, so above zero means the queue did not empty
+    # lately: what tells a queue that grows from one that flickers (deriv of a 0/1 gauge is noise).
+    waiting_floor: Reading = NO_DATA
     # vLLM splits `waiting` by reason: "capacity" (no batch slot or KV blocks: the engine is full) and
     # "deferred" (held by a transient constraint; on decode, chiefly the pull of a prompt's remote KV).
     waiting_for_capacity: Reading = NO_DATA
     waiting_for_capacity_growth: Reading = NO_DATA
+    waiting_for_capacity_floor: Reading = NO_DATA
     waiting_deferred: Reading = NO_DATA
     kv_fetching: Reading = NO_DATA  # requests waiting on a KV pull (vLLM's kv_fetch_by_stage, all stages)
     prompt_tokens_rate: Reading = NO_DATA
@@ -160,6 +166,24 @@ def _mean(metric: str, selector: str, window: str) -> str:
 POOL_ROLES = {"prefill": 'role="prefill"', "decode": DECODE_ROLES}
 
 
+_DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
+_UNIT_SECONDS = {"ms": 0.001, "s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800, "y": 31536000}
+
+
+def window_seconds(window: str) -> float | None:
+    """A Prometheus duration ("20s", "5m", "1h30m") in seconds; None when it is not one."""
+    parts = _DURATION.findall(window)
+    if not parts or "".join(n + u for n, u in parts) != window:
+        return None
+    return sum(int(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+
+
+def tail_of(window: str) -> str:
+    """The last quarter of a window, as a Prometheus duration (at least 1 s): where "lately" is judged."""
+    seconds = window_seconds(window)
+    return window if seconds is None else f"{max(1, round(seconds / 4))}s"
+
+
 def _join(*matchers: str) -> str:
     return ",".join(m for m in matchers if m)
 
@@ -174,6 +198,7 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
     Errors from the source (Prometheus unreachable) propagate: the caller decides to run without telemetry.
     """
     e, r, w = scope.engine_selector, scope.router_selector, scope.window
+    tail = tail_of(w)
 
     async def scalar(promql: str) -> Reading:
         return Reading(await source.query_scalar(promql), promql)
@@ -203,11 +228,15 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
             running=await scalar(f"sum(avg_over_time(vllm:num_requests_running{{{sel}}}[{w}]))"),
             waiting=await scalar(f"sum(avg_over_time(vllm:num_requests_waiting{{{sel}}}[{w}]))"),
             waiting_growth=await scalar(f"sum(deriv(vllm:num_requests_waiting{{{sel}}}[{w}]))"),
+            waiting_floor=await scalar(f"sum(min_over_time(vllm:num_requests_waiting{{{sel}}}[{tail}]))"),
             waiting_for_capacity=await scalar(
                 f"sum(avg_over_time(vllm:num_requests_waiting_by_reason{{{for_capacity}}}[{w}]))"
             ),
             waiting_for_capacity_growth=await scalar(
                 f"sum(deriv(vllm:num_requests_waiting_by_reason{{{for_capacity}}}[{w}]))"
+            ),
+            waiting_for_capacity_floor=await scalar(
+                f"sum(min_over_time(vllm:num_requests_waiting_by_reason{{{for_capacity}}}[{tail}]))"
             ),
             waiting_deferred=await scalar(
                 f"sum(avg_over_time(vllm:num_requests_waiting_by_reason{{{deferred}}}[{w}]))"
