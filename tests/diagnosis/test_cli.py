@@ -11,6 +11,7 @@ import pytest
 import yaml
 
 from splitserve.cli import main
+from splitserve.commands.diagnose import parse_at
 from tests.diagnosis.conftest import LLAMA_70B
 
 ModelDir = Callable[[dict[str, Any]], Path]
@@ -132,6 +133,26 @@ def test_gpu_from_node_selector(tmp_path: Path, capsys: pytest.CaptureFixture[st
             ["--window", "5 min"],
             "duration",
         ),
+        (
+            "kind: InferenceDeployment\nspec:\n  model: {name: m, source: {uri: /m}}\n",
+            ["--prometheus", "http://127.0.0.1:1", "--at", "yesterday"],
+            "neither RFC 3339",
+        ),
+        (
+            "kind: InferenceDeployment\nspec:\n  model: {name: m, source: {uri: /m}}\n",
+            ["--prometheus", "http://127.0.0.1:1", "--at", "2026-12-06T14:05:00"],
+            "no time zone",
+        ),
+        (
+            "kind: InferenceDeployment\nspec:\n  model: {name: m, source: {uri: /m}}\n",
+            ["--prometheus", "http://127.0.0.1:1", "--at", "nan"],
+            "is not a time",
+        ),
+        (
+            "kind: InferenceDeployment\nspec:\n  model: {name: m, source: {uri: /m}}\n",
+            ["--at", "1796565900"],
+            "needs --prometheus",
+        ),
     ],
 )
 def test_user_errors_are_one_line_and_exit_1(
@@ -149,3 +170,16 @@ def test_user_errors_are_one_line_and_exit_1(
 def test_missing_file_is_a_user_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert main(["diagnose", "-f", str(tmp_path / "nope.yaml")]) == 1
     assert "cannot read" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("text", "seconds"),
+    [
+        ("2026-12-06T14:05:00Z", 1796565900.0),
+        ("2026-12-06T15:05:00+01:00", 1796565900.0),
+        ("1796565900.5", 1796565900.5),
+        (None, None),
+    ],
+)
+def test_at_reads_rfc3339_or_unix_seconds(text: str | None, seconds: float | None) -> None:
+    assert parse_at(text) == seconds

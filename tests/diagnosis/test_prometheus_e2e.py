@@ -152,3 +152,38 @@ async def test_diagnosis_reads_scraped_metrics(
     assert telemetry.request_rate.value == pytest.approx(10, rel=0.3), explain
     assert by_key["disaggregation"].status != "unknown", explain
     assert "TTFT inflation" in " ".join(e.text for e in by_key["disaggregation"].evidence)
+
+
+async def test_at_reads_the_window_that_ended_then(
+    prometheus: PrometheusServer, exporters: list[StaticExporter], make_spec: SpecFactory
+) -> None:
+    """`--at`: the diagnosis of an incident after the fact reads the window that ended at that time, not now."""
+    frozen: list[float] = []  # once set, the counters stop where they were: the load is over
+
+    def render(t: float) -> str:
+        return worker_metrics(min([t, *frozen]))
+
+    worker = GrowingExporter(render)
+    await worker.start()
+    exporters.append(worker)
+    prometheus.targets = [
+        ScrapeTarget(worker.address, {"namespace": "ml", "deployment": "chat", "role": "decode"}),
+        # A router that never answers its scrapes: the note says its rates are partial (here: absent).
+        ScrapeTarget("127.0.0.1:1", {"namespace": "ml", "deployment": "chat", "role": "router"}),
+    ]
+    await prometheus.start()
+    hits = 'sum(rate(vllm:prefix_cache_hits_total{deployment="chat"}[5s]))'
+    await prometheus.wait_for(hits, lambda v: (v or 0) > 550)
+    during = time.time()  # every sample up to now was scraped under load
+    frozen.append(time.monotonic() - worker.started)
+    await prometheus.wait_for(hits, lambda v: v is not None and v < 1)  # the 5 s window now holds no growth
+
+    spec = make_spec({"model": {"name": "chat-model"}})
+    then = await run_diagnosis(spec, name="chat", namespace="ml", prometheus_url=prometheus.url, window="5s", at=during)
+    now = await run_diagnosis(spec, name="chat", namespace="ml", prometheus_url=prometheus.url, window="5s")
+    assert then.inp.telemetry is not None and now.inp.telemetry is not None
+    assert then.inp.telemetry.prefix_hits_rate.value == pytest.approx(600, rel=0.3), then.text()
+    assert (now.inp.telemetry.prefix_hits_rate.value or 0) < 1, now.text()
+    assert " ending 20" in then.inp.telemetry_note and "ending" not in now.inp.telemetry_note
+    assert dict(then.inp.telemetry.scrape_coverage) == {"router": 0.0, "decode": 1.0}, then.inp.telemetry_note
+    assert "scrapes missed: router answered 0% of its scrapes" in then.inp.telemetry_note

@@ -10,7 +10,15 @@ from urllib.parse import parse_qs
 import httpx
 import pytest
 
-from splitserve.diagnosis.telemetry import TelemetryScope, collect, default_scope, tail_of, window_seconds
+from splitserve.diagnosis.telemetry import (
+    Telemetry,
+    TelemetryScope,
+    collect,
+    coverage_note,
+    default_scope,
+    tail_of,
+    window_seconds,
+)
 from splitserve.io.prometheus import PrometheusClient
 from splitserve.io.telemetry import gather_telemetry, run_diagnosis
 from tests.diagnosis.conftest import FakePrometheus, SpecFactory
@@ -26,7 +34,8 @@ async def test_collect_scopes_every_query_and_reads_buckets(fake_prometheus: Cal
     telemetry = await collect(prom, SCOPE)
     assert telemetry.prefix_hits_rate.value == 30.0
     assert (
-        telemetry.prefix_hits_rate.query == 'sum(rate(vllm:prefix_cache_hits_total{model_name="m",namespace="ml"}[5m]))'
+        telemetry.prefix_hits_rate.query
+        == 'sum(rate(vllm:prefix_cache_hits_total{model_name="m",namespace="ml",role=~"prefill|aggregated"}[5m]))'
     )
     assert telemetry.output_tokens_buckets == ((8.0, 2.0), (64.0, 5.0), (math.inf, 6.0))
     assert telemetry.itl_p90.value is None
@@ -153,3 +162,26 @@ async def test_queue_floors_read_the_window_tail(fake_prometheus: Callable[..., 
     await collect(prom, TelemetryScope('namespace="ml"', 'namespace="ml"', "20s"))
     floors = [q for q in prom.queries if "min_over_time" in q]
     assert len(floors) == 4 and all(q.endswith("[5s]))") for q in floors), floors
+
+
+async def test_prefix_share_is_read_where_prompts_are_computed(fake_prometheus: Callable[..., FakePrometheus]) -> None:
+    """Decode looks up a prompt whose KV it pulls too: the share is the prefill pool's while it took prompts,
+    and every engine's when it took none (all prompts short enough to skip it, or no role labels)."""
+    prefill_lookups = 'vllm:prefix_cache_queries_total{model_name="m",namespace="ml",role=~"prefill|aggregated"}'
+    prom = fake_prometheus({prefill_lookups: 0.0, "vllm:prefix_cache_queries_total": 100.0, "hits_total": 30.0})
+    telemetry = await collect(prom, SCOPE)
+    assert telemetry.prefix_queries_rate.value == 100.0
+    assert "role=" not in telemetry.prefix_queries_rate.query and "role=" not in telemetry.prefix_hits_rate.query
+    prom = fake_prometheus({prefill_lookups: 80.0, "vllm:prefix_cache_queries_total": 100.0, "hits_total": 30.0})
+    telemetry = await collect(prom, SCOPE)
+    assert telemetry.prefix_queries_rate.value == 80.0
+    assert 'role=~"prefill|aggregated"' in telemetry.prefix_hits_rate.query
+
+
+def test_missed_scrapes_are_said_before_the_rates_are_trusted() -> None:
+    query = 'avg by (role) (avg_over_time(up{namespace="ml"}[5m]))'
+    gappy = Telemetry(scrape_coverage=(("router", 0.35), ("decode", 0.95)), scrape_coverage_query=query)
+    note = coverage_note(gappy)
+    assert note is not None and note.startswith("scrapes missed: router answered 35% of its scrapes")
+    assert "decode" not in note and query in note
+    assert coverage_note(Telemetry(scrape_coverage=(("decode", 1.0),))) is None

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import math
 import re
 import sys
+from datetime import datetime
 from typing import Any
 
 import yaml
@@ -30,6 +32,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("-o", "--output", choices=("text", "json"), default="text")
     parser.add_argument("--model-dir", metavar="DIR", help="local directory (or config.json) of the model")
     parser.add_argument("--window", default="5m", help="PromQL rate window (default 5m)")
+    parser.add_argument(
+        "--at",
+        metavar="TIME",
+        help="read the window that ended at TIME instead of now (an incident after the fact): RFC 3339 "
+        "(2026-12-06T14:05:00Z) or Unix seconds",
+    )
     parser.add_argument("--namespace", help="namespace for telemetry label matching (default: metadata.namespace)")
     parser.add_argument(
         "--engine-selector", help='PromQL label matchers for vLLM series (default: namespace="NS",deployment="NAME")'
@@ -64,9 +72,33 @@ def check_window(window: str) -> str:
     return window
 
 
+def parse_at(text: str | None) -> float | None:
+    """--at as Unix seconds: RFC 3339 with a zone (a time without one would depend on this machine's zone)."""
+    if text is None:
+        return None
+    try:
+        seconds = float(text)
+    except ValueError:
+        pass
+    else:
+        if not math.isfinite(seconds) or seconds < 0:
+            raise UserError(f"--at {text!r} is not a time")
+        return seconds
+    try:
+        moment = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
+    except ValueError:
+        raise UserError(f"--at {text!r} is neither RFC 3339 (2026-12-06T14:05:00Z) nor Unix seconds") from None
+    if moment.tzinfo is None:
+        raise UserError(f"--at {text!r} has no time zone: add Z for UTC or an offset such as +01:00")
+    return moment.timestamp()
+
+
 def run(args: argparse.Namespace) -> int:
     try:
         check_window(args.window)
+        at = parse_at(args.at)
+        if at is not None and not args.prometheus:
+            raise UserError("--at reads telemetry from the past: it needs --prometheus URL")
         document = first_deployment(read_input(args.filename), args.filename)
         spec = parse_spec(document, args.filename)
         metadata = document.get("metadata") or {}
@@ -83,6 +115,7 @@ def run(args: argparse.Namespace) -> int:
                 window=args.window,
                 engine_selector=args.engine_selector,
                 router_selector=args.router_selector,
+                at=at,
             )
         )
     except (UserError, UnknownGpu) as error:

@@ -104,8 +104,10 @@ class RouterReadings:
 @dataclass(frozen=True)
 class Telemetry:
     window: str = "5m"
-    prefix_hits_rate: Reading = NO_DATA  # cached prompt tokens / s
-    prefix_queries_rate: Reading = NO_DATA  # prompt tokens looked up in the prefix cache / s
+    # Cached prompt tokens / s and prompt tokens looked up / s, where prompts are computed: the prefill pool
+    # (role prefill or aggregated) when it took prompts in the window, otherwise every engine.
+    prefix_hits_rate: Reading = NO_DATA
+    prefix_queries_rate: Reading = NO_DATA
     output_tokens_sum_rate: Reading = NO_DATA
     output_tokens_count_rate: Reading = NO_DATA
     # Cumulative buckets of the router's output-length histogram: (upper bound, rate); +Inf last.
@@ -128,10 +130,28 @@ class Telemetry:
     prefill: PoolReadings = PoolReadings()
     decode: PoolReadings = PoolReadings()
     router: RouterReadings = RouterReadings()
+    # Share of Prometheus' scrapes each role's targets answered in the window (`up`), lowest first. A target
+    # too busy to answer its /metrics in time leaves gaps, and rates over a gappy window are partial.
+    scrape_coverage: tuple[tuple[str, float], ...] = ()
+    scrape_coverage_query: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def pool(self, role: str) -> PoolReadings:
         return self.prefill if role == "prefill" else self.decode
+
+
+SCRAPE_COVERAGE_WARNING = 0.9
+
+
+def coverage_note(tel: Telemetry) -> str | None:
+    """What a person should know before trusting the rates: the targets that missed scrapes in the window."""
+    gappy = [f"{role} answered {share:.0%}" for role, share in tel.scrape_coverage if share < SCRAPE_COVERAGE_WARNING]
+    if not gappy:
+        return None
+    return (
+        f"scrapes missed: {', '.join(gappy)} of its scrapes in the window, so its rates are partial "
+        f"(a target too busy to answer /metrics in time; prometheus: {tel.scrape_coverage_query})"
+    )
 
 
 @dataclass(frozen=True)
@@ -252,6 +272,14 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
             ttft_p90=await scalar(_p90("vllm:time_to_first_token_seconds", sel, w)),
         )
 
+    # Where prompts are computed: the prefill pool when it took any in the window. Decode looks up a prompt
+    # whose KV it pulls as well, and misses while the pull is under way, which counted beside prefill's
+    # lookups would halve the share and count every disaggregated prompt twice.
+    computed = prefill
+    prompt_lookups = await scalar(f"sum(rate(vllm:prefix_cache_queries_total{{{prefill}}}[{w}]))")
+    if not prompt_lookups.value:
+        computed = e
+        prompt_lookups = await scalar(f"sum(rate(vllm:prefix_cache_queries_total{{{e}}}[{w}]))")
     failed = _join(r, 'outcome=~"upstream_error|stream_error|no_capacity"')
     decode_waits = _join(r, 'pool="decode"')
     router = RouterReadings(
@@ -274,8 +302,15 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         queue_depth=await scalar(f"sum(avg_over_time(splitserve_router_queue_depth{{{r}}}[{w}]))"),
         decode_inflight=await scalar(f"sum(avg_over_time(splitserve_router_inflight_requests{{{decode_waits}}}[{w}]))"),
     )
+    coverage_query = f"avg by (role) (avg_over_time(up{{{e}}}[{w}]))"
+    coverage = await source.query_vector(coverage_query)
+    scrape_coverage = sorted(
+        ((dict(labels).get("role", "target"), value) for labels, value in coverage.items()), key=lambda c: c[1]
+    )
     return Telemetry(
         window=w,
+        scrape_coverage=tuple(scrape_coverage),
+        scrape_coverage_query=coverage_query,
         prefill=await pool("prefill"),
         decode=await pool("decode"),
         router=router,
@@ -285,8 +320,8 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         ),
         ttft_p99=await scalar(_quantile(0.99, "vllm:time_to_first_token_seconds", e, w)),
         kv_transfer_mean=await scalar(_mean("vllm:nixl_xfer_time_seconds", decode, w)),
-        prefix_hits_rate=await scalar(f"sum(rate(vllm:prefix_cache_hits_total{{{e}}}[{w}]))"),
-        prefix_queries_rate=await scalar(f"sum(rate(vllm:prefix_cache_queries_total{{{e}}}[{w}]))"),
+        prefix_hits_rate=await scalar(f"sum(rate(vllm:prefix_cache_hits_total{{{computed}}}[{w}]))"),
+        prefix_queries_rate=prompt_lookups,
         output_tokens_sum_rate=await scalar(f"sum(rate(splitserve_router_output_tokens_sum{{{r}}}[{w}]))"),
         output_tokens_count_rate=await scalar(f"sum(rate(splitserve_router_output_tokens_count{{{r}}}[{w}]))"),
         output_tokens_buckets=tuple(buckets),

@@ -51,8 +51,11 @@ class PrometheusClient:
         *,
         timeout: httpx.Timeout | float = DEFAULT_TIMEOUT,
         http: httpx.AsyncClient | None = None,
+        at: float | None = None,
     ) -> None:
+        """`at`: evaluate every instant query at this Unix time instead of now (a window that ended then)."""
         self.base_url = base_url.rstrip("/")
+        self.at = at
         self._owns_http = http is None
         self._http = http or httpx.AsyncClient(timeout=timeout)
         self._timeout = timeout
@@ -73,7 +76,8 @@ class PrometheusClient:
         """Run an instant query and return its `data` object (resultType + result)."""
         url = f"{self.base_url}/api/v1/query"
         try:
-            response = await self._http.post(url, data={"query": promql}, timeout=self._timeout)
+            form = {"query": promql} if self.at is None else {"query": promql, "time": f"{self.at:.3f}"}
+            response = await self._http.post(url, data=form, timeout=self._timeout)
         except httpx.HTTPError as exc:
             raise PrometheusUnavailable(f"cannot reach Prometheus at {self.base_url}: {exc!r}") from exc
         try:
