@@ -13,8 +13,8 @@ Why the scenarios hold by construction, not by this machine's timing: the light 
 fraction of what one pair serves (a 128-token prompt takes ~50 ms end to end here), the shared-prefix
 load repeats each 512-token prefix ~15 times, and the overload offers 8 req/s to a pair that serves
 3-5 req/s of these prompts on 2 cores (so its engines' queues, not the client, set the pace). Each
-diagnosis reads a window that covers its workload and nothing before it; a warm-up, not diagnosed, runs
-first (a fresh engine's first batches are slow). The text reports land in
+diagnosis reads the window of its workload's load and nothing else (`--at` the load's end, `--window`
+its duration); a warm-up, not diagnosed, runs first (a fresh engine's first batches are slow). The text reports land in
 SPLITSERVE_DIAGNOSIS_OUT when set (the issue's closing note shows them).
 """
 
@@ -97,9 +97,10 @@ def bench(name: str, args: list[str], base_url: str, tokenizer: Path, out: Path)
     return result
 
 
-def diagnose(file: Path, prometheus: str, window: str, *, output: str) -> str:
+def diagnose(file: Path, prometheus: str, window: str, at: float, *, output: str) -> str:
     command = [sys.executable, "-m", "splitserve", "diagnose", "-f", str(file), "--prometheus", prometheus]
-    done = subprocess.run([*command, "--window", window, "-o", output], capture_output=True, text=True, timeout=120)
+    command += ["--window", window, "--at", f"{at:.3f}", "-o", output]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -121,19 +122,24 @@ def diagnosed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Di
         time.sleep(6)  # three scrapes: the first window below starts after the warm-up's last sample
         results: dict[str, Diagnosed] = {}
         for name, args in WORKLOADS.items():
-            started = time.monotonic()
             result = bench(name, args, base_url, model_dir, work)
-            # The window reaches back to just before this workload (the previous one had finished) and
-            # covers one more scrape (every 2 s) after it.
-            window = f"{math.ceil(time.monotonic() - started) + 2}s"
-            text = diagnose(file, prometheus, window, output="text")
-            report = json.loads(diagnose(file, prometheus, window, output="json"))
+            ended = time.time()
+            # The window is the load itself: the benchmark's `duration` (first request sent to last answer)
+            # before it ended, plus one scrape (every 2 s) on each side. Not the bench process's own start-up,
+            # tens of seconds of imports on a busy 2-core machine, which would dilute every rate (CI once
+            # saw an observed capacity of a third of the benchmark's throughput so). Both outputs read the
+            # same window: it ends at a fixed time (--at), one scrape after the load.
+            at = ended + 2
+            window = f"{math.ceil(result['duration']) + 4}s"
+            time.sleep(max(0.0, at + 2 - time.time()))  # the scrape after `at` is in
+            text = diagnose(file, prometheus, window, at, output="text")
+            report = json.loads(diagnose(file, prometheus, window, at, output="json"))
             results[name] = Diagnosed(result, report, text, window)
             header = (
                 f"# {name}: vllm bench serve {' '.join(args)}\n# served {result['completed']} requests, "
                 f"{result['request_throughput']:.2f} req/s, {result['output_throughput']:.1f} output tokens/s, "
                 f"TTFT median {result['median_ttft_ms']:.0f} ms p99 {result['p99_ttft_ms']:.0f} ms; "
-                f"diagnose --window {window}\n"
+                f"diagnose --window {window} --at {at:.0f}\n"
             )
             (work / f"{name}.diagnosis.txt").write_text(header + text)
             evidence_dir = os.environ.get("SPLITSERVE_DIAGNOSIS_OUT")
