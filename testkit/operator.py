@@ -108,18 +108,20 @@ async def eventually(check: Callable[[], Any], what: str, limit_s: float = 60.0,
 WORKER_ROLES = ("prefill", "decode", "aggregated")
 
 
-def worker_pools(client: EmulatorClient, name: str, role: str | None = None) -> list[dict[str, Any]]:
+def worker_pools(
+    client: EmulatorClient, name: str, role: str | None = None, namespace: str = NAMESPACE
+) -> list[dict[str, Any]]:
     """The worker Deployments of InferenceDeployment `name` (of one role), every KV generation's:
     they are named `<name>-<role>-<generation>`, so tests find them by label, not by name."""
     roles = role or ",".join(WORKER_ROLES)
     selector = f"splitserve.io/deployment={name},splitserve.io/role in ({roles})"
-    found: list[dict[str, Any]] = client.list("apps/v1", "deployments", namespace=NAMESPACE, label_selector=selector)
+    found: list[dict[str, Any]] = client.list("apps/v1", "deployments", namespace=namespace, label_selector=selector)
     return sorted(found, key=lambda d: str(d["metadata"]["name"]))
 
 
-def worker_pool(client: EmulatorClient, name: str, role: str) -> dict[str, Any] | None:
+def worker_pool(client: EmulatorClient, name: str, role: str, namespace: str = NAMESPACE) -> dict[str, Any] | None:
     """The one worker Deployment of `role` (None while there is none); outside a rollout there is one."""
-    found = worker_pools(client, name, role)
+    found = worker_pools(client, name, role, namespace)
     assert len(found) <= 1, f"{len(found)} {role} Deployments: {[d['metadata']['name'] for d in found]}"
     return found[0] if found else None
 

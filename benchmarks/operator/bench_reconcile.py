@@ -1,6 +1,7 @@
 """Operator benchmark (counted, not timed by a test): API calls and seconds against the API emulator.
 
     python benchmarks/operator/bench_reconcile.py [--counts 1,100,300] [--baseline REF --baseline-counts 1,100]
+    python benchmarks/operator/bench_reconcile.py --smoke --out /tmp/reconcile.json   # seconds: does it still run?
 
 For each count N, a fresh emulator and a fresh `splitserve operator --all-namespaces` (production
 settings: 60 s drift pass, 300 s diagnosis), then:
@@ -20,6 +21,9 @@ at the same moment. Calls are the operator's own (its User-Agent and kopf's), wa
 watch is one long request. The emulator (testkit/emulator) stands in for kube-apiserver, its fake
 Deployment controller marking replicas ready at once: the seconds measure the operator's work plus
 the emulator's on one machine (both share its cores), not a real cluster's scheduling.
+
+`--smoke` runs one CR with a 3 s diagnosis timer and 3 idle seconds (tests/benchmarks runs it): it
+shows the steps still work, not what they cost.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -52,6 +56,8 @@ from testkit.operator import operator_requests, reconciles_total, worker_pool  #
 IDEP = ("splitserve.io/v1alpha1", "inferencedeployments")
 NAMESPACE = "bench"
 LIMIT_S = 900.0
+# --smoke: the diagnosis timer's first run after 3 s instead of 60 (its interval and first delay).
+SMOKE_OPERATOR_ENV = {"SPLITSERVE_DIAGNOSIS_INTERVAL_SECONDS": "3"}
 
 
 def rss_mib(pid: int) -> float:
@@ -124,13 +130,24 @@ def package_tree(ref: str, workdir: Path) -> Path:
     return tree
 
 
-def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[str, Any]:
+def decode_pool_name(client: EmulatorClient, name: str) -> str:
+    """The decode Deployment of CR `name`, found by its labels as the operator finds its pools: it is
+    named after its KV generation (`<name>-decode-<generation>`)."""
+    pool = worker_pool(client, name, "decode", namespace=NAMESPACE)
+    if pool is None:
+        raise RuntimeError(f"{name} is Ready without a decode Deployment (labelled splitserve.io/role=decode)")
+    return str(pool["metadata"]["name"])
+
+
+def measure(
+    count: int, idle_seconds: float, pythonpath: Path | None, operator_env: Mapping[str, str] | None = None
+) -> dict[str, Any]:
     workdir = Path(tempfile.mkdtemp(prefix="bench-operator-"))
     emulator = EmulatorProcess(workdir)
     emulator.start()
     port = free_port()
     metrics_url = f"http://127.0.0.1:{port}/metrics"
-    env = {**emulator.env()}
+    env = {**emulator.env(), **(operator_env or {})}
     if pythonpath is not None:
         env["PYTHONPATH"] = str(pythonpath)
     result: dict[str, Any] = {"count": count}
@@ -165,14 +182,13 @@ def measure(count: int, idle_seconds: float, pythonpath: Path | None) -> dict[st
             time.sleep(3)
             client.clear_requests_log()
             before = reconciles_total(metrics_url)
-            # The decode pools, by label: they are named after their KV generation (`m<i>-decode-<gen>`).
-            decode = [(worker_pool(client, f"m{index}", "decode") or {}).get("metadata", {}) for index in range(count)]
+            decode = [decode_pool_name(client, f"m{index}") for index in range(count)]
             client.clear_requests_log()
             for index in range(count):
                 client.patch(
                     "apps/v1",
                     "deployments",
-                    decode[index]["name"],
+                    decode[index],
                     {"metadata": {"annotations": {"bench.splitserve.io/touched": str(time.time())}}},
                     namespace=NAMESPACE,
                 )
@@ -233,8 +249,16 @@ def main() -> None:
     parser.add_argument("--baseline", default=None, help="a git ref whose operator runs the same steps")
     parser.add_argument("--baseline-counts", default="1,100")
     parser.add_argument("--out", type=Path, default=None, help="also write the JSON here")
+    parser.add_argument(
+        "--smoke", action="store_true", help="one CR, a 3 s diagnosis timer, 3 idle seconds, no baseline: a few seconds"
+    )
     args = parser.parse_args()
-    report: dict[str, Any] = {"splitserve": [measure(int(n), args.idle_seconds, None) for n in args.counts.split(",")]}
+    operator_env: dict[str, str] = {}
+    if args.smoke:
+        args.counts, args.idle_seconds, args.baseline = "1", 3.0, None
+        operator_env = SMOKE_OPERATOR_ENV
+    runs = [measure(int(n), args.idle_seconds, None, operator_env) for n in args.counts.split(",")]
+    report: dict[str, Any] = {"splitserve": runs}
     if args.baseline:
         with tempfile.TemporaryDirectory(prefix="bench-baseline-") as scratch:
             tree = package_tree(args.baseline, Path(scratch))
