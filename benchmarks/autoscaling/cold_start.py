@@ -21,6 +21,7 @@ starting vLLM here.
 
     python benchmarks/autoscaling/cold_start.py                       # 4 runs at 1 s/1 s, 2 at 5 s/5 s
     python benchmarks/autoscaling/cold_start.py --runs 3 --settings 1:1s --json cold_start.json
+    python benchmarks/autoscaling/cold_start.py --smoke --out /tmp/cold_start.json   # one run at 1 s/1 s
 
 Needs the `prometheus` binary. Takes about seven minutes with the defaults (scaling back to zero
 between runs waits out the scale-down window and the p90 latency's one-minute rate window).
@@ -196,10 +197,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     parser.add_argument("--runs", type=int, default=None, help="runs per setting (default: 4, then 2)")
     parser.add_argument("--scale-down-window", type=int, default=5, help="scaleDownStabilizationSeconds")
-    parser.add_argument("--json", type=Path, default=None, help="also write the runs to this JSON file")
+    parser.add_argument("--json", "--out", type=Path, default=None, help="also write the runs to this JSON file")
+    parser.add_argument("--smoke", action="store_true", help="one run at 1 s/1 s (seconds): does it still run?")
     args = parser.parse_args(argv)
     if args.runs is not None and args.runs < 1:
         parser.error("--runs must be at least 1")
+    if args.smoke:
+        args.settings, args.runs = [(1, "1s")], 1
+        args.json = args.json or Path(tempfile.mkdtemp(prefix="cold-start-smoke-")) / "cold_start.json"
 
     if shutil.which(PROMETHEUS_BINARY) is None:
         print(f"cold_start: error: the {PROMETHEUS_BINARY!r} binary is needed (apt-get install prometheus)")

@@ -20,9 +20,14 @@ p90 windows 12 s) and the whole trace takes 6 minutes per policy. Every run reco
 load, each process's CPU time and the simulators' step lag, so a CPU-starved run shows itself.
 
     python benchmarks/autoscaling/run.py --out benchmarks/autoscaling/results      # ~21 minutes
-    python benchmarks/autoscaling/run.py --duration 60 --policies builtin --out /tmp/smoke
+    python benchmarks/autoscaling/run.py --duration 60 --policies builtin --out /tmp/short
+    python benchmarks/autoscaling/run.py --smoke --out /tmp/smoke      # seconds: does it still run?
 
-Needs the `prometheus` binary and matplotlib (for the plots).
+`--smoke`: the builtin policy (or --policies) over a SMOKE_DURATION_S trace, the engine 5x faster (so
+the last answers are not long after the trace), the files to a temporary folder unless --out says where.
+
+Needs the `prometheus` binary; the plots need matplotlib (`pip install 'splitserve[bench]'`), and
+without it the JSON is written all the same.
 """
 
 from __future__ import annotations
@@ -52,6 +57,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.plots import pyplot  # noqa: E402
 from splitserve.api.spec import InferenceDeploymentSpec  # noqa: E402
 from splitserve.autoscaling.decision import AutoscalerState  # noqa: E402
 from splitserve.io.prometheus import PrometheusClient, PrometheusUnavailable  # noqa: E402
@@ -63,7 +69,9 @@ from testkit.prometheus import PROMETHEUS_BINARY, PrometheusServer, ScrapeTarget
 
 NAMESPACE, NAME = "bench", "bench"
 POOLS = ("prefill", "decode")
+POLICIES = ("builtin", "keda-waiting", "static-peak")
 PROFILE = "gpu-h100-8b"
+SMOKE_DURATION_S = 6.0
 
 
 @dataclass(frozen=True)
@@ -593,8 +601,12 @@ async def run_policy(
     policy: str, settings: Settings, trace: list[Arrival], static_sizes: dict[str, int], workdir: Path
 ) -> RunRecord:
     record = RunRecord(policy)
-    sims = {pool: await Child.start(f"{pool} sims", f"sims-{pool}", settings) for pool in POOLS}
-    router = await Child.start("router", "router", settings)
+    # The children start side by side (each imports splitserve: seconds on a small machine).
+    *pools, router = await asyncio.gather(
+        *(Child.start(f"{pool} sims", f"sims-{pool}", settings) for pool in POOLS),
+        Child.start("router", "router", settings),
+    )
+    sims = dict(zip(POOLS, pools, strict=True))
     prometheus = PrometheusServer(workdir / policy, scrape_interval=settings.scrape_interval)
     cluster = Cluster(settings, sims, router, prometheus)
     timeout = aiohttp.ClientTimeout(total=300)
@@ -830,11 +842,9 @@ def summarize(record: RunRecord, settings: Settings) -> dict[str, Any]:
 
 
 def plot(records: list[RunRecord], settings: Settings, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(len(records), 1, figsize=(11, 3.0 * len(records)), sharex=True, squeeze=False)
     for ax, record in zip(axes[:, 0], records, strict=True):
         timeline = record.timeline
@@ -953,21 +963,28 @@ def write_results(records: list[RunRecord], settings: Settings, out: Path, comma
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=None, help="results folder (default: results/ here)")
     parser.add_argument("--duration", type=float, default=Settings.duration_s)
     parser.add_argument("--seed", type=int, default=Settings.seed)
     parser.add_argument(
         "--policies",
         nargs="+",
-        default=["builtin", "keda-waiting", "static-peak"],
-        choices=["builtin", "keda-waiting", "static-peak"],
+        default=None,
+        choices=POLICIES,
+        help=f"default: {' '.join(POLICIES)} (--smoke: builtin)",
     )
     parser.add_argument(
         "--from-json", action="store_true", help="summarize and plot the runs already in --out again (no new run)"
     )
+    parser.add_argument("--smoke", action="store_true", help="a few seconds: does the benchmark still run?")
     parser.add_argument("--serve", help=argparse.SUPPRESS)  # child process roles: sims-prefill, sims-decode, router
     parser.add_argument("--settings", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.smoke:
+        args.duration, args.policies = SMOKE_DURATION_S, args.policies or ["builtin"]
+        args.out = args.out or tempfile.mkdtemp(prefix="autoscaling-run-smoke-")
+    args.policies = args.policies or list(POLICIES)
+    out = Path(args.out or Path(__file__).parent / "results")
     if args.serve:
         child_settings = settings_from_json(json.loads(args.settings))
         if args.serve == "router":
@@ -977,27 +994,25 @@ def main() -> int:
         return 0
     if args.from_json:
         try:
-            settings, records, command = load_records(Path(args.out))
+            settings, records, command = load_records(out)
         except (OSError, ValueError, KeyError) as error:
-            print(f"error: cannot read the runs in {args.out}: {error}", file=sys.stderr)
+            print(f"error: cannot read the runs in {out}: {error}", file=sys.stderr)
             return 2
-        write_results(records, settings, Path(args.out), command)
+        write_results(records, settings, out, command)
         return 0
     if shutil.which(PROMETHEUS_BINARY) is None:
         print(f"error: needs the {PROMETHEUS_BINARY!r} binary (apt-get install prometheus)", file=sys.stderr)
         return 2
-    try:
-        import matplotlib  # noqa: F401
-    except ImportError:
-        print("error: needs matplotlib for the plots (pip install matplotlib)", file=sys.stderr)
-        return 2
     settings = Settings(duration_s=args.duration, seed=args.seed)
+    if args.smoke:
+        settings = dataclasses.replace(settings, time_scale=5.0)
     if args.duration != Settings.duration_s:
         # A shorter smoke run keeps spikes proportionate.
         factor = args.duration / Settings.duration_s
         settings = dataclasses.replace(settings, spikes=tuple((s, length * factor) for s, length in settings.spikes))
     with tempfile.TemporaryDirectory(prefix="splitserve-bench-") as tmp:
-        run_event_loop(lambda: run_all(settings, args.policies, Path(tmp), Path(args.out)))
+        run_event_loop(lambda: run_all(settings, args.policies, Path(tmp), out))
+    print(f"results written to {out}", file=sys.stderr)
     return 0
 
 

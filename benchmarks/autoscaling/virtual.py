@@ -14,6 +14,9 @@ KV transfer takes the latency model's transfer time; scaled-down replicas drain 
 they hold and take no new work) and are billed until empty.
 
     python benchmarks/autoscaling/virtual.py --out benchmarks/autoscaling/results
+    python benchmarks/autoscaling/virtual.py --smoke --out /tmp/virtual   # 5 virtual minutes: does it still run?
+
+Plots need matplotlib (`pip install 'splitserve[bench]'`); without it the JSON is written all the same.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -36,6 +40,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.plots import pyplot  # noqa: E402
 from splitserve.api.spec import InferenceDeploymentSpec  # noqa: E402
 from splitserve.autoscaling.decision import AutoscalerState, decide_replicas  # noqa: E402
 from splitserve.autoscaling.queries import PoolSignals  # noqa: E402
@@ -44,6 +49,7 @@ from splitserve.sim.scheduler import Scheduler, Sequence  # noqa: E402
 
 POOLS = ("prefill", "decode")
 POLICIES = ("builtin", "keda-waiting", "static-peak")
+SMOKE_DURATION_S = 300.0  # --smoke: the same trace's shape, 12x shorter
 
 
 @dataclass(frozen=True)
@@ -444,11 +450,9 @@ def summarize(sim: Simulation, trace: list[Request]) -> dict[str, Any]:
 
 
 def plot(sims: list[Simulation], s: Settings, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(len(sims), 1, figsize=(11, 3.0 * len(sims)), sharex=True, squeeze=False)
     for ax, sim in zip(axes[:, 0], sims, strict=True):
         t = [row["t"] / 60 for row in sim.timeline]
@@ -471,12 +475,20 @@ def plot(sims: list[Simulation], s: Settings, out: Path) -> None:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
-    parser.add_argument("--duration", type=float, default=3600.0)
+    parser.add_argument("--out", default=None, help="results folder (default: results/ here)")
+    parser.add_argument(
+        "--duration", type=float, default=None, help=f"seconds of trace (default {Settings.duration_s:g})"
+    )
     parser.add_argument("--seed", type=int, default=11)
+    parser.add_argument(
+        "--smoke", action="store_true", help=f"{SMOKE_DURATION_S:.0f} virtual seconds: does the benchmark still run?"
+    )
     args = parser.parse_args()
-    settings = Settings(duration_s=args.duration, seed=args.seed)
-    out = Path(args.out)
+    if args.smoke:
+        args.duration = args.duration or SMOKE_DURATION_S
+        args.out = args.out or tempfile.mkdtemp(prefix="virtual-smoke-")
+    settings = Settings(duration_s=args.duration or Settings.duration_s, seed=args.seed)
+    out = Path(args.out or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     sims: list[Simulation] = []
     summaries: list[dict[str, Any]] = []
@@ -498,6 +510,7 @@ def main() -> int:
         json.dumps({"settings": dataclasses.asdict(settings), "runs": summaries}, indent=2)
     )
     plot(sims, settings, out)
+    print(f"results written to {out}", file=sys.stderr)
     return 0
 
 

@@ -22,6 +22,11 @@ that does not export it): the autopilot then falls back to the per-step ITL, as 
     python benchmarks/diagnosis/autopilot_sim.py --workload low-load-chat --no-tpot --tag no-tpot
     python benchmarks/diagnosis/autopilot_sim.py --workload prompt-heavy-shift \
         --policy '{"settle_s": 0, "evaluation_s": 600}' --tag no-settle
+    python benchmarks/diagnosis/autopilot_sim.py --smoke --out /tmp/autopilot   # seconds: does it still run?
+
+`--smoke`: every workload for 10 virtual minutes under a policy compressed to fit them (SMOKE_POLICY),
+the files to a temporary folder unless --out says where. Plots need matplotlib
+(`pip install 'splitserve[bench]'`); without it the JSON is written all the same.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ import json
 import math
 import random
 import sys
+import tempfile
 from collections import Counter, deque
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -44,6 +50,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
+from benchmarks.plots import pyplot  # noqa: E402
 from splitserve.api.patch import merge_patch  # noqa: E402  (what the operator applies)
 from splitserve.api.spec import InferenceDeploymentSpec, Mode  # noqa: E402
 from splitserve.diagnosis.findings import DiagnosisInput  # noqa: E402
@@ -65,6 +72,9 @@ from splitserve.sim.speculative import SpeculativeModel, SpeculativeScheduler  #
 
 WINDOW_S = 300.0  # the telemetry window ("5m"), as the operator's autopilot reads it
 BATCH_SAMPLE_S = 5.0  # how often the running-requests gauge is sampled (a scrape)
+# --smoke: 10 virtual minutes per workload, and a policy that may act (and judge its action) in them.
+SMOKE_DURATION_S = 600.0
+SMOKE_POLICY = {"window_s": 120, "min_interval_s": 600, "settle_s": 120, "evaluation_s": 300}
 
 
 # --------------------------------------------------------------------------- workloads
@@ -724,11 +734,9 @@ def sim_startup(sim: Simulation) -> float:
 
 
 def plot(results: list[tuple[dict[str, Any], Simulation, Simulation]], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
+    if plt is None:
+        return
     fig, axes = plt.subplots(len(results), 1, figsize=(11, 3.2 * len(results)), squeeze=False)
     for ax, (doc, fixed, auto) in zip(axes[:, 0], results, strict=True):
         metric = doc["actions"][0]["target_metric"] if doc["actions"] else "ttft_p90"
@@ -760,7 +768,7 @@ def plot(results: list[tuple[dict[str, Any], Simulation, Simulation]], out: Path
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--out", default=str(Path(__file__).parent / "results"))
+    parser.add_argument("--out", default=None, help="results folder (default: results/ here)")
     parser.add_argument("--workload", action="append", choices=[w.name for w in WORKLOADS])
     parser.add_argument(
         "--no-tpot",
@@ -769,7 +777,7 @@ def main() -> int:
     )
     parser.add_argument("--duration", type=float, default=None)
     parser.add_argument(
-        "--policy", default="{}", help="AutopilotPolicy fields as JSON (as SPLITSERVE_AUTOPILOT_POLICY in the operator)"
+        "--policy", default=None, help="AutopilotPolicy fields as JSON (as SPLITSERVE_AUTOPILOT_POLICY in the operator)"
     )
     parser.add_argument(
         "--speculative",
@@ -779,9 +787,14 @@ def main() -> int:
     parser.add_argument("--tag", default="", help="suffix for the result files of a variant run")
     parser.add_argument("--no-veto", action="store_true", help="drop optimization.veto from the workloads' specs")
     parser.add_argument("--table", action="store_true", help="only write autopilot_table.md from the summary files")
+    parser.add_argument("--smoke", action="store_true", help="seconds: does the benchmark still run?")
     args = parser.parse_args()
-    policy = AutopilotPolicy(**json.loads(args.policy))
-    out = Path(args.out)
+    if args.smoke:
+        args.duration = args.duration or SMOKE_DURATION_S
+        args.policy = args.policy or json.dumps(SMOKE_POLICY)
+        args.out = args.out or tempfile.mkdtemp(prefix="autopilot-smoke-")
+    policy = AutopilotPolicy(**json.loads(args.policy or "{}"))
+    out = Path(args.out or Path(__file__).parent / "results")
     out.mkdir(parents=True, exist_ok=True)
     if args.table:
         docs = []
@@ -811,6 +824,7 @@ def main() -> int:
     (out / f"autopilot_summary{tag}.json").write_text(json.dumps([doc for doc, _, _ in results], indent=2))
     if not tag and len(results) > 1:
         plot(results, out)
+    print(f"results written to {out}", file=sys.stderr)
     return 0
 
 

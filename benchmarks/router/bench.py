@@ -2,6 +2,7 @@
 
     python benchmarks/router/bench.py overhead [--rate 200] [--seconds 10] [--vllm-router PATH]
     python benchmarks/router/bench.py policies [--seconds 20]
+    python benchmarks/router/bench.py overhead --smoke --out /tmp/overhead.json   # or policies: seconds
 
 ``overhead`` starts zero-model-time fake workers (fake_worker.py: 2 prefill + 2 decode) on core 0,
 each router under test alone on core 1 (``taskset -c 1``) and drives it from this process on core 0:
@@ -12,7 +13,11 @@ each router under test alone on core 1 (``taskset -c 1``) and drives it from thi
     figure is the fair one on a 2-core machine, where the load generator may saturate first.
 ``policies`` runs the engine simulator (``splitserve sim-worker``: 4 prefill + 2 decode with prefix
 caching) under a shared-system-prompt workload and compares prefill TTFT for round-robin vs
-prefix-aware prefill routing. Results print as a Markdown table and go to ``results-<mode>.json``.
+prefix-aware prefill routing. Results print as a Markdown table and go to ``results-<mode>.json``
+(or ``--out``).
+
+``--smoke`` (either mode): a second or two of load, one splitserve router, no vllm-router, no CPU
+pinning, the JSON to ``--out`` (a temporary file without it, never the committed results).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ import socket
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -175,6 +181,7 @@ class Row:
     e2e_p50_ms: float
     e2e_p99_ms: float
     errors: int
+    requests: int = 0
     saturation_rps: float = float("nan")
     router_cpu_util: float = float("nan")
     cpu_us_per_request: float = float("nan")
@@ -193,7 +200,7 @@ class Samples:
     def row(self, name: str) -> Row:
         lat = self.latencies
         row = Row(name, percentile(lat.ttft, 50) * 1e3, percentile(lat.ttft, 99) * 1e3,
-                  percentile(lat.e2e, 50) * 1e3, percentile(lat.e2e, 99) * 1e3, lat.errors)  # fmt: skip
+                  percentile(lat.e2e, 50) * 1e3, percentile(lat.e2e, 99) * 1e3, lat.errors, len(lat.e2e))  # fmt: skip
         if self.saturation:
             row.saturation_rps = statistics.median(self.saturation)
             row.router_cpu_util = statistics.median(self.cpu_util)
@@ -204,7 +211,7 @@ class Samples:
 
 async def measure(url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object], into: Samples) -> None:
     await wait_ready(url, body)
-    await open_loop(url, args.rate, 2, body)  # warm connection pools and caches
+    await open_loop(url, args.rate, args.warmup_seconds, body)  # warm connection pools and caches
     lat = await open_loop(url, args.rate, args.seconds, body)
     into.latencies.ttft += lat.ttft
     into.latencies.e2e += lat.e2e
@@ -335,16 +342,16 @@ async def policies(args: argparse.Namespace) -> list[dict[str, object]]:
         common = ["--profile", "cpu-tiny", "--time-scale", str(args.time_scale), "--log-level", "ERROR",
                   "--num-kv-blocks", str(args.num_kv_blocks)]  # fmt: skip
         prefill = start([sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "prefill", "--count", "4",
-                         "--port", str(prefill_port), *common], core=0, nice=args.nice)  # fmt: skip
+                         "--port", str(prefill_port), *common], core=args.sim_core, nice=args.nice)  # fmt: skip
         decode = start([sys.executable, "-m", "splitserve.cli", "sim-worker", "--role", "decode", "--count", "2",
-                        "--port", str(decode_port + 10), *common], core=0, nice=args.nice)  # fmt: skip
+                        "--port", str(decode_port + 10), *common], core=args.sim_core, nice=args.nice)  # fmt: skip
         port = free_port()
         prefill_urls = ",".join(f"http://127.0.0.1:{prefill_port + i}" for i in range(4))
         decode_urls = ",".join(f"http://127.0.0.1:{decode_port + 10 + i}" for i in range(2))
         router = start([sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                         "--prefill", prefill_urls, "--decode", decode_urls, "--prefill-policy", policy,
                         "--decode-policy", "least-loaded", "--model", "sim-model", "--log-level", "warning"],
-                       core=1, nice=args.nice)  # fmt: skip
+                       core=args.router_core, nice=args.nice)  # fmt: skip
         url = f"http://127.0.0.1:{port}"
         try:
             await wait_ready(url, {"model": "sim-model", "prompt": "warm up", "max_tokens": 1, "stream": True})
@@ -406,13 +413,36 @@ def _cpu_list(text: str) -> set[int]:
     return cores
 
 
+def smoke(args: argparse.Namespace) -> None:
+    """--smoke: a second or two of load and one router, on whatever cores this process may use."""
+    every = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
+    args.nice = 0
+    args.seconds = 1.0
+    args.rate = min(args.rate, 50.0)
+    if args.mode == "overhead":
+        args.warmup_seconds, args.repeat, args.concurrency = 0.5, 1, 4
+        args.splitserve_policies, args.splitserve_workers = ["round-robin"], [1]
+        args.router_cores = args.loadgen_cores = every
+        args.vllm_router = None  # a binary that may be absent is no part of a smoke run
+    else:
+        args.groups, args.system_words = 2, 300  # two blocks of 128 tokens each: prefixes that can hit
+        args.sim_core = args.router_core = None
+    if args.out is None:
+        args.out = Path(tempfile.mkdtemp(prefix="router-bench-smoke-")) / f"results-{args.mode}.json"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nice", type=int, default=0, help="niceness of every process started (root: negative)")
+    # Both modes: where the JSON goes, and the smoke run.
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--out", type=Path, default=None, help="the JSON's path (default: results-<mode>.json here)")
+    common.add_argument("--smoke", action="store_true", help="a few seconds: does the benchmark still run?")
     sub = parser.add_subparsers(dest="mode", required=True)
-    over = sub.add_parser("overhead")
+    over = sub.add_parser("overhead", parents=[common])
     over.add_argument("--rate", type=float, default=200.0)
     over.add_argument("--seconds", type=float, default=10.0)
+    over.add_argument("--warmup-seconds", type=float, default=2.0, help="open loop before each measurement")
     over.add_argument("--repeat", type=int, default=1, help="interleaved runs of every target, pooled")
     over.add_argument("--concurrency", type=int, default=64)
     over.add_argument("--splitserve-policies", nargs="+", default=["round-robin", "prefix-aware"])
@@ -428,7 +458,7 @@ def main() -> None:
         default=["round_robin"],
         help="cache_aware needs the workers' /v1/completions/render, which the fake workers do not have",
     )
-    pol = sub.add_parser("policies")
+    pol = sub.add_parser("policies", parents=[common])
     pol.add_argument("--rate", type=float, default=10.0)
     pol.add_argument("--seconds", type=float, default=30.0)
     pol.add_argument("--groups", type=int, default=24, help="distinct shared system prompts")
@@ -441,10 +471,15 @@ def main() -> None:
     pol.add_argument("--system-words", type=int, default=1500)
     pol.add_argument("--time-scale", type=float, default=1.0)
     args = parser.parse_args()
+    # policies: the simulators and the load generator on core 0, the router on core 1.
+    args.sim_core, args.router_core = (0, 1) if args.mode == "policies" else (None, None)
+    if args.smoke:
+        smoke(args)
+    out: Path = args.out or HERE / f"results-{args.mode}.json"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     if args.nice:
         os.nice(args.nice)  # the load generator too
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1:
+    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1 and not args.smoke:
         # The load generator stays off the router's core (overhead: --loadgen-cores; policies: core 0).
         os.sched_setaffinity(0, _cpu_list(getattr(args, "loadgen_cores", "0")))
     try:
@@ -458,12 +493,13 @@ def main() -> None:
         if args.mode == "overhead":
             rows = run(overhead(args))
             table = overhead_table(rows, args.rate)
-            (HERE / "results-overhead.json").write_text(json.dumps([asdict(r) for r in rows], indent=2))
+            out.write_text(json.dumps([asdict(r) for r in rows], indent=2))
         else:
             results = run(policies(args))
             table = policies_table(results)
-            (HERE / "results-policies.json").write_text(json.dumps(results, indent=2))
+            out.write_text(json.dumps(results, indent=2))
     print(table)
+    print(f"results written to {out}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Routing quality: which router puts each prompt where its prefix is cached, side by side, one trace.
 
     python benchmarks/router/routing.py [--vllm-router PATH] [--seconds 60] [--rate 9] [--sim-workers 4]
+    python benchmarks/router/routing.py --smoke --out /tmp/routing.json   # seconds: does it still run?
 
 Workers: ``--sim-workers`` aggregated engine simulators (``splitserve sim-worker``) with a small KV cache
 (``--num-kv-blocks``), so the pool can hold every tenant's prefix but one worker cannot: evictions
@@ -22,6 +23,9 @@ request by request, as a Kubernetes Service without session affinity would):
     (the index built from the engines' KV events);
   * vllm-router ``cache_aware`` (its approximate radix tree of the prompts it sent), regular mode,
     ``--worker-urls``.
+
+``--smoke``: splitserve prefix-aware and precise-prefix, one replica, 2 workers, 2 seconds of a small
+trace, no vllm-router; the JSON to ``--out`` (a temporary file without it, never the committed results).
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ import json
 import random
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -48,6 +53,19 @@ from splitserve.local.ports import free_port  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "sim-model"
+# --smoke: a few seconds of the same kind of run (flags as on the command line, applied over the parsed ones).
+SMOKE = {
+    "vllm_router": None,
+    "routers": ["splitserve:prefix-aware", "splitserve:precise-prefix"],
+    "replicas": ["1"],
+    "sim_workers": 2,
+    "seconds": 2.0,
+    "rate": 2.0,
+    "tenants": 3,
+    "max_turns": 2,
+    "think_seconds": 0.2,
+    "max_tokens": 4,
+}
 # Words made of the syllables the tiny model's tokenizer was trained on: about 1.6 tokens each.
 SYLLABLES = ("ka", "lo", "mi", "ne", "ru", "sa", "ti", "vo", "zu", "pe", "ga", "do")
 
@@ -281,8 +299,13 @@ def main() -> None:
     add("--seed", type=int, default=7)
     add("--nice", type=int, default=0)
     add("--tokenizer-dir", type=Path, default=Path.home() / ".cache" / "splitserve" / "tiny-model")
-    add("--out", type=Path, default=HERE / "results-routing.json")
+    add("--out", type=Path, default=None, help="the JSON's path (default: results-routing.json here)")
+    add("--smoke", action="store_true", help="a few seconds: does the benchmark still run?")
     args = parser.parse_args()
+    if args.smoke:
+        vars(args).update(SMOKE)
+        args.out = args.out or Path(tempfile.mkdtemp(prefix="routing-smoke-")) / "results-routing.json"
+    args.out = args.out or HERE / "results-routing.json"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     tokenizer = ensure_tokenizer(args.tokenizer_dir)
     rows: list[dict[str, Any]] = []
@@ -299,6 +322,7 @@ def main() -> None:
             rows.append(asyncio.run(run_one(kind, policy, replicas, args, tokenizer)))
     args.out.write_text(json.dumps({"args": {k: str(v) for k, v in vars(args).items()}, "rows": rows}, indent=2))
     print(table(rows))
+    print(f"results written to {args.out}", file=sys.stderr)
 
 
 if __name__ == "__main__":
