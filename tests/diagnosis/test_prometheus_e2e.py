@@ -7,8 +7,10 @@ back, and the verdicts follow from scraped counters.
 
 from __future__ import annotations
 
+import math
+import re
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from pathlib import Path
 
 import pytest
@@ -100,25 +102,36 @@ async def exporters() -> AsyncIterator[list[StaticExporter]]:
         await exporter.stop()
 
 
+CHAT = {"namespace": "ml", "deployment": "chat"}
+OTHER = {"namespace": "ml", "deployment": "other"}
+
+
+async def scrape(
+    prometheus: PrometheusServer,
+    exporters: list[StaticExporter],
+    targets: Sequence[tuple[Callable[[float], str], dict[str, str]]],
+) -> None:
+    """One growing exporter per (render, labels the monitors would add), all scraped by a started Prometheus."""
+    scraped = []
+    for render, labels in targets:
+        exporter = GrowingExporter(render)
+        await exporter.start()
+        exporters.append(exporter)
+        scraped.append(ScrapeTarget(exporter.address, labels))
+    prometheus.targets = scraped
+    await prometheus.start()
+
+
 async def test_diagnosis_reads_scraped_metrics(
     prometheus: PrometheusServer, exporters: list[StaticExporter], make_spec: SpecFactory
 ) -> None:
-    worker, router, other = (
-        GrowingExporter(worker_metrics),
-        GrowingExporter(router_metrics),
-        GrowingExporter(worker_metrics),
-    )
-    for exporter in (worker, router, other):
-        await exporter.start()
-        exporters.append(exporter)
-    mine = {"namespace": "ml", "deployment": "chat"}
-    prometheus.targets = [
-        ScrapeTarget(worker.address, {**mine, "role": "decode"}),
-        ScrapeTarget(router.address, {**mine, "role": "router"}),
+    targets = [
+        (worker_metrics, {**CHAT, "role": "decode"}),
+        (router_metrics, {**CHAT, "role": "router"}),
         # Another deployment's worker in the same Prometheus: must not be counted.
-        ScrapeTarget(other.address, {"namespace": "ml", "deployment": "other", "role": "decode"}),
+        (worker_metrics, {**OTHER, "role": "decode"}),
     ]
-    await prometheus.start()
+    await scrape(prometheus, exporters, targets)
     # Wait until the 5 s rate window is full of scrapes (a half-empty window under-reports rates).
     await prometheus.wait_for(
         'sum(rate(vllm:prefix_cache_hits_total{deployment="chat"}[5s]))', lambda v: (v or 0) > 550
@@ -187,3 +200,96 @@ async def test_at_reads_the_window_that_ended_then(
     assert " ending 20" in then.inp.telemetry_note and "ending" not in now.inp.telemetry_note
     assert dict(then.inp.telemetry.scrape_coverage) == {"router": 0.0, "decode": 1.0}, then.inp.telemetry_note
     assert "scrapes missed: router answered 0% of its scrapes" in then.inp.telemetry_note
+
+
+def calm_worker_metrics(t: float) -> str:
+    """A decode engine with free slots; its inter-token gaps all 25-75 ms, 90% of them over 50 ms (vLLM's buckets)."""
+    labels = 'model_name="chat-model"'
+    return "\n".join(
+        [
+            "# TYPE vllm:num_requests_running gauge",
+            f"vllm:num_requests_running{{{labels}}} 2",
+            "# TYPE vllm:num_requests_waiting gauge",
+            f"vllm:num_requests_waiting{{{labels}}} 0",
+            histogram(
+                "vllm:inter_token_latency_seconds",
+                {"0.025": 0, "0.05": 10, "0.075": 100, "0.1": 100, "+Inf": 100},
+                6.0,
+                t,
+                labels,
+            ),
+            "",
+        ]
+    )
+
+
+def router_ttft_metrics(buckets: dict[str, float]) -> Callable[[float], str]:
+    def render(t: float) -> str:
+        return "\n".join(
+            [
+                histogram("splitserve_router_ttft_seconds", buckets, 20.0, t),
+                histogram("splitserve_router_prompt_tokens", {"1024.0": 0, "2048.0": 10, "+Inf": 10}, 20_000.0, t),
+                histogram("splitserve_router_output_tokens", {"64.0": 0, "128.0": 10, "+Inf": 10}, 1000.0, t),
+                "",
+            ]
+        )
+
+    return render
+
+
+async def test_quantiles_in_the_slos_bucket_are_judged_from_the_scraped_le_labels(
+    prometheus: PrometheusServer, exporters: list[StaticExporter], make_spec: SpecFactory
+) -> None:
+    """The bucket bounds come from the `le` labels Prometheus scraped, per histogram and per deployment: the
+    router's TTFT p90 (~2.25 s) and the engines' ITL p90 (~72 ms) each lie in the bucket that holds their SLO
+    (1.0-2.5 s around 2 s, vLLM's 50-75 ms around 60 ms), so neither verdict says over or within."""
+    targets = [
+        (calm_worker_metrics, {**CHAT, "role": "decode"}),
+        # 40% of first bytes within 1 s, all within 2.5 s.
+        (router_ttft_metrics({"0.5": 0, "1.0": 4, "2.5": 10, "5.0": 10, "+Inf": 10}), {**CHAT, "role": "router"}),
+        # Another deployment's router with a bound at 2 s: its buckets must not be read for "chat".
+        (router_ttft_metrics({"1.0": 4, "2.0": 7, "2.5": 10, "+Inf": 10}), {**OTHER, "role": "router"}),
+    ]
+    await scrape(prometheus, exporters, targets)
+    for ready in (
+        'sum(rate(splitserve_router_ttft_seconds_count{deployment="chat"}[5s]))',
+        'sum(rate(vllm:inter_token_latency_seconds_count{deployment="chat"}[5s]))',
+        'sum(rate(splitserve_router_ttft_seconds_count{deployment="other"}[5s]))',
+    ):
+        await prometheus.wait_for(ready, lambda v: (v or 0) > 5)
+
+    spec = make_spec(
+        {
+            "model": {"name": "chat-model", "parameterCount": 8_000_000_000},
+            "prefill": {"resources": {"gpus": 0, "cpu": "4", "memory": "16Gi"}},
+            "decode": {"resources": {"gpus": 0, "cpu": "4", "memory": "16Gi"}},
+            "autoscaling": {"prefill": {"ttftSloSeconds": 2.0}, "decode": {"itlSloSeconds": 0.06}},
+        }
+    )
+    report = await run_diagnosis(spec, name="chat", namespace="ml", prometheus_url=prometheus.url, window="5s")
+    telemetry = report.inp.telemetry
+    assert telemetry is not None, report.inp.telemetry_note
+    explain = report.text()
+    assert telemetry.router.ttft_p90.buckets == (0.5, 1.0, 2.5, 5.0, math.inf), explain
+    assert telemetry.itl_p90.buckets == (0.025, 0.05, 0.075, 0.1, math.inf), explain
+    by_key = {result.key: result for result in report.results}
+
+    ttft = by_key["disaggregation"]
+    assert ttft.status == "unknown", explain
+    assert re.match(
+        r"TTFT p90 ≈ 2\.\d+ s at the router is within one histogram bucket of the 2 s SLO "
+        r"\(the bucket is 1\.0-2\.5 s\): the histogram cannot tell",
+        ttft.verdict,
+    ), explain
+    itl = by_key["per-token-latency"]
+    assert itl.status == "unknown" and itl.patch is None, explain
+    assert re.match(
+        r"ITL p90 ≈ \d+ ms \(engines\) is within one histogram bucket of the 60 ms SLO \(the bucket is 50-75 ms\)",
+        itl.verdict,
+    ), explain
+
+    document = report.document()
+    assert document["telemetry"]["histogramBuckets"] == {
+        "splitserve_router_ttft_seconds": [0.5, 1.0, 2.5, 5.0],
+        "vllm:inter_token_latency_seconds": [0.025, 0.05, 0.075, 0.1],
+    }, document["telemetry"]

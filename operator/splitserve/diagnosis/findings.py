@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode, PoolSpec
 from splitserve.api.status import Finding
+from splitserve.diagnosis.buckets import Judged, Unit, bucket_text, judge
 from splitserve.diagnosis.gpus import GpuChoice
 from splitserve.diagnosis.model_facts import ModelFacts
 from splitserve.diagnosis.telemetry import Reading, Telemetry
@@ -51,6 +53,18 @@ class QuestionResult:
             recommendation=self.recommendation,
             patch=self.patch,
         )
+
+
+@dataclass(frozen=True)
+class Tail:
+    """A latency quantile judged against its SLO: "problem" when it is certainly outside, "unknown" when a
+    histogram bucket holds both the quantile and the limit (the histogram cannot tell)."""
+
+    status: Status
+    verdict: str
+    evidence: tuple[Evidence, ...] = ()
+    recommendation: str = ""
+    patch: Patch | None = None
 
 
 @dataclass(frozen=True)
@@ -160,6 +174,22 @@ def tokens_text(value: float) -> str:
 
 def prom_source(reading: Reading) -> str:
     return f"prometheus: {reading.query}"
+
+
+def judged(reading: Reading, limit: float) -> Judged | None:
+    """A quantile reading against a limit, within the resolution of its histogram's buckets; None: no data."""
+    if reading.value is None or math.isnan(reading.value):
+        return None
+    return judge(reading.value, limit, reading.buckets)
+
+
+def bucket_evidence(quantile: str, limit: str, found: Judged, unit: Unit, tel: Telemetry) -> Evidence:
+    """Where the bucket that holds both a quantile and its limit was read from."""
+    return Evidence(
+        f"{quantile} and {limit} lie in the same histogram bucket, {bucket_text(found, unit)} "
+        "(a limit on one of the histogram's bounds is judged exactly)",
+        f"prometheus: {tel.histogram_buckets_query}",
+    )
 
 
 def fmt_value(value: float | None, fmt: str = "") -> str:

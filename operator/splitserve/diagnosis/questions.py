@@ -14,6 +14,7 @@ from collections.abc import Callable, Sequence
 
 from splitserve.api.patch import changes_spec
 from splitserve.api.spec import MAX_POOL_REPLICAS, InferenceDeploymentSpec, Mode, PoolSpec, RoutingPolicy
+from splitserve.diagnosis.buckets import CANNOT_TELL, Judged, judge, within_one_bucket
 from splitserve.diagnosis.findings import (
     Alternative,
     DiagnosisInput,
@@ -21,9 +22,12 @@ from splitserve.diagnosis.findings import (
     Patch,
     QuestionResult,
     Status,
+    Tail,
     answer,
     arg_value,
+    bucket_evidence,
     fmt_value,
+    judged,
     merge_patches,
     pct,
     pool_args,
@@ -501,7 +505,8 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
         return answer(5, "unknown", "no decode traffic in the window", tuple(evidence))
     load = batch.value if batch.value is not None else 0.0
     high = load >= HIGH_LOAD_BATCH
-    over = itl.value > slo
+    # Over only when the p90's whole histogram bucket is: one that also holds the SLO cannot tell (the tail).
+    p90 = judge(itl.value, slo, itl.buckets)
     if spec_decode.method != "off" and high:
         return answer(
             5,
@@ -511,7 +516,7 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             "turn speculative decoding off while the batch stays large",
             turn_off,
         )
-    if over and spec_decode.method == "off" and load <= LOW_LOAD_BATCH:
+    if p90.over and spec_decode.method == "off" and load <= LOW_LOAD_BATCH:
         return answer(
             5,
             "recommend",
@@ -521,7 +526,7 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             "draft model of the same family)",
             turn_on,
         )
-    if over:
+    if p90.over:
         recommendation, patch = _lower_decode_batch(inp, itl.value, slo)
         # "Too busy" only explains the miss when speculative decoding is off and the batch is past the
         # low-load range; with it already on at a small batch the engine is simply too slow per step.
@@ -538,10 +543,9 @@ def per_token_latency(inp: DiagnosisInput) -> QuestionResult:
             recommendation,
             patch,
         )
-    tail = _itl_tail(inp, itl.value, slo)
+    tail = _itl_tail(inp, p90)
     if tail is not None:
-        tail_advice, tail_patch = tail[1]
-        return answer(5, "problem", tail[0], tuple(evidence), tail_advice, tail_patch)
+        return answer(5, tail.status, tail.verdict, (*evidence, *tail.evidence), tail.recommendation, tail.patch)
     return answer(
         5,
         "ok",
@@ -557,35 +561,45 @@ def _ms(seconds: float | None) -> str:
     return f"{seconds * 1000:.0f} ms" if seconds >= 0.01 else f"{seconds * 1000:.1f} ms"
 
 
-def _itl_tail(inp: DiagnosisInput, p90: float, slo: float) -> tuple[str, tuple[str, Patch | None]] | None:
-    """With the engines' p90 inside the SLO: a p99 far outside it, or clients seeing worse than the engines."""
+def _itl_tail(inp: DiagnosisInput, p90: Judged) -> Tail | None:
+    """With the engines' p90 not over the SLO: a p99 far outside it, or clients seeing worse than the engines,
+    is a problem; a quantile in the same histogram bucket as its limit (the p90 too) cannot be told either way."""
     tel = inp.telemetry
     assert tel is not None
-    worst = [(f"engine ITL p99 {_ms(tel.itl_p99.value)}", tel.itl_p99.value)]
-    worst += [
-        (f"router ITL p90 {_ms(tel.router.itl_p90.value)}", tel.router.itl_p90.value),
-        (f"router ITL p99 {_ms(tel.router.itl_p99.value)}", tel.router.itl_p99.value),
-    ]
-    found = []
-    for label, value in worst:
-        if value is None or math.isnan(value):
-            continue
-        limit = slo if label.startswith("router ITL p90") else slo * TAIL_OVER_SLO
-        if value > limit:
-            found.append(f"{label} is {value / slo:.1f}x the SLO")
-    if not found:
-        return None
-    verdict = f"ITL p90 {p90 * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO, but the tail does not: " + ", ".join(
-        found
-    )
+    slo = p90.limit
+    at_slo, at_twice = f"the {_ms(slo)} SLO", f"{TAIL_OVER_SLO:g}x the {_ms(slo)} SLO"
+    p90_words = f"ITL p90 ≈ {_ms(p90.value)} (engines)"
+    unsure = [(p90_words, at_slo, p90)] if p90.unsure else []
+    over = []
+    for label, reading, limit, limit_words in (
+        ("engine ITL p99", tel.itl_p99, slo * TAIL_OVER_SLO, at_twice),
+        ("router ITL p90", tel.router.itl_p90, slo, at_slo),
+        ("router ITL p99", tel.router.itl_p99, slo * TAIL_OVER_SLO, at_twice),
+    ):
+        found = judged(reading, limit)
+        if found is not None and found.over:
+            over.append(f"{label} {_ms(found.value)} is {found.value / slo:.1f}x the SLO")
+        elif found is not None and found.unsure:
+            unsure.append((f"{label} ≈ {_ms(found.value)}", limit_words, found))
+    evidence = tuple(bucket_evidence(quantile, limit, found, "ms", tel) for quantile, limit, found in unsure)
+    if not over:
+        if not unsure:
+            return None
+        clauses = ", and ".join(within_one_bucket(quantile, limit, found, "ms") for quantile, limit, found in unsure)
+        return Tail("unknown", f"{clauses}: {CANNOT_TELL}", evidence)
+    held = f"ITL p90 {p90.value * 1000:.0f} ms meets the {slo * 1000:.0f} ms SLO"
+    if p90.unsure:
+        held = within_one_bucket(p90_words, at_slo, p90, "ms")
+    verdict = f"{held}, but the tail does not: " + ", ".join(over)
     decode_busy = traffic_needs(inp)
     if decode_busy is not None and decode_busy[1] > inp.spec.decode.replicas:
-        return verdict, _more_decode_replicas(inp)
-    return verdict, (
+        advice, patch = _more_decode_replicas(inp)
+        return Tail("problem", verdict, evidence, advice, patch)
+    advice = (
         "tail stalls come from steps that take far longer than usual: decode steps that also take in KV or "
-        "prefill chunks, or a saturated decode pool (see question 6); one more decode replica spreads them",
-        None,
+        "prefill chunks, or a saturated decode pool (see question 6); one more decode replica spreads them"
     )
+    return Tail("problem", verdict, evidence, advice)
 
 
 def _lower_decode_batch(inp: DiagnosisInput, itl: float, slo: float) -> tuple[str, Patch]:

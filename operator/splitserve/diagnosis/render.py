@@ -7,6 +7,7 @@ order; `patch` is a JSON merge patch on the InferenceDeployment or null.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import textwrap
 from collections.abc import Iterator, Sequence
@@ -111,7 +112,17 @@ def to_json_document(
         "kind": "Diagnosis",
         "deployment": {"name": name, "namespace": namespace, "mode": inp.spec.mode.value},
         "summary": summarise(results),
-        "telemetry": {"prometheus": prometheus, "available": inp.telemetry is not None, "note": inp.telemetry_note},
+        "telemetry": {
+            "prometheus": prometheus,
+            "available": inp.telemetry is not None,
+            "note": inp.telemetry_note,
+            # Each histogram read as a quantile: its finite bucket bounds (`le`; +Inf is implied), so a reader
+            # can see how finely a quantile against an SLO is known.
+            "histogramBuckets": {
+                name: [bound for bound in bounds if math.isfinite(bound)]
+                for name, bounds in (inp.telemetry.histogram_buckets if inp.telemetry is not None else ())
+            },
+        },
         "gpus": {
             pool: {
                 "type": choice.gpu.name,

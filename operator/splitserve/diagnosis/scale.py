@@ -7,9 +7,11 @@ applies, otherwise unknown (a lower bound sizes nothing).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from splitserve.api.spec import MAX_POOL_REPLICAS, InferenceDeploymentSpec, Mode
+from splitserve.diagnosis.buckets import CANNOT_TELL, within_one_bucket
 from splitserve.diagnosis.capacity import (
     SATURATED_WAITING,
     Offered,
@@ -28,8 +30,11 @@ from splitserve.diagnosis.findings import (
     Evidence,
     Patch,
     QuestionResult,
+    Tail,
     answer,
+    bucket_evidence,
     fmt_value,
+    judged,
     merge_patches,
     pct,
     prom_source,
@@ -293,6 +298,7 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
         if found is not None:
             return found
     tail = _ttft_tail(tel, slo, breakdown, caps)
+    evidence += tail.evidence if tail is not None else ()
     prefill_need = needed_replicas(caps["prefill"], offered.prefill_tokens, CAPACITY_HEADROOM)
     decode_need = needed_replicas(caps["decode"], offered.decode_tokens, CAPACITY_HEADROOM)
     needs = None if prefill_need is None or decode_need is None else (prefill_need, decode_need)
@@ -320,15 +326,16 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
                 "disaggregate: prefill and decode in separate pools, scaled independently",
                 patch,
             )
-        if tail is not None:
-            return answer(6, "problem", tail[0], tuple(evidence), tail[1])
-        return answer(
+        if tail is not None and tail.status == "problem":
+            return answer(6, "problem", tail.verdict, tuple(evidence), tail.recommendation)
+        enough = answer(
             6,
             "ok",
             f"aggregated is enough (TTFT inflation {fmt_value(inflation, '{:.1f}x')}, "
             f"mean prompt {offered.mean_prompt:.0f} tokens)",
             tuple(evidence),
         )
+        return _settled(enough, tail)
     if needs is not None and needs[0] + needs[1] < 1.0 and not interfering:
         return answer(
             6,
@@ -339,41 +346,59 @@ def disaggregation(inp: DiagnosisInput) -> QuestionResult:
             "serve aggregated until traffic grows",
             {"mode": Mode.AGGREGATED.value},
         )
-    if tail is not None:
-        return answer(6, "problem", tail[0], tuple(evidence), tail[1])
+    if tail is not None and tail.status == "problem":
+        return answer(6, "problem", tail.verdict, tuple(evidence), tail.recommendation)
     if needs is None:
         unknown = [role for role in ("prefill", "decode") if not caps[role].estimated]
-        return answer(
+        unmeasured = answer(
             6,
             "ok",
             f"disaggregated, no pool saturated; prefill:decode ratio not estimated ({' and '.join(unknown)} "
             "capacity not measurable below saturation)",
             tuple(evidence),
         )
-    return _ratio(inp, needs, evidence)
+        return _settled(unmeasured, tail)
+    return _settled(_ratio(inp, needs, evidence), tail)
 
 
 def _ttft_tail(
     tel: Telemetry, slo: float, breakdown: TtftBreakdown | None, caps: dict[str, PoolCapacity]
-) -> tuple[str, str] | None:
-    """A TTFT the clients see outside the SLO (p90 over it, or p99 far over it) while no pool is saturated."""
+) -> Tail | None:
+    """The TTFT clients see against the SLO while no pool is saturated: a p90 over it, or a p99 over twice it,
+    is a problem; a quantile whose histogram bucket also holds its limit cannot be told either way."""
     router = tel.router
-    p90, p99 = router.ttft_p90.value, router.ttft_p99.value
-    over90 = p90 is not None and not math.isnan(p90) and p90 > slo
-    over99 = p99 is not None and not math.isnan(p99) and p99 > slo * TAIL_OVER_SLO
-    if not (over90 or over99):
-        return None
+    p90, p99 = judged(router.ttft_p90, slo), judged(router.ttft_p99, slo * TAIL_OVER_SLO)
+    limits = {"p90": f"the {slo:g} s SLO", "p99": f"{TAIL_OVER_SLO:g}x the {slo:g} s SLO"}
+    unsure = {name: found for name, found in (("p90", p90), ("p99", p99)) if found is not None and found.unsure}
+    quantiles = {name: f"TTFT {name} ≈ {fmt_value(found.value)} s at the router" for name, found in unsure.items()}
+    clauses = {name: within_one_bucket(quantiles[name], limits[name], found, "s") for name, found in unsure.items()}
+    evidence = tuple(bucket_evidence(quantiles[name], limits[name], found, "s", tel) for name, found in unsure.items())
     where = _where_time_goes(tel, breakdown, caps)
-    if over90 or p99 is None:
-        head = f"TTFT p90 {p90:.2f} s at the router is over the {slo:g} s SLO"
+    if p90 is not None and p90.over:
+        head = f"TTFT p90 {p90.value:.2f} s at the router is over the {slo:g} s SLO"
+    elif p99 is not None and p99.over:
+        held = f"TTFT p90 {fmt_value(router.ttft_p90.value)} s holds the {slo:g} s SLO"
+        if "p90" in clauses:
+            held = clauses["p90"] + ","
+        head = f"{held} but p99 {p99.value:.2f} s is {p99.value / slo:.1f}x it"
+    elif clauses:
+        verdict = ", and ".join(clauses.values()) + f": {CANNOT_TELL}" + (f"; {where}" if where else "")
+        return Tail("unknown", verdict, evidence)
     else:
-        head = f"TTFT p90 {fmt_value(p90)} s holds the {slo:g} s SLO but p99 {p99:.2f} s is {p99 / slo:.1f}x it"
-    verdict = head + (f": {where}" if where else "")
+        return None
     advice = (
         "no pool is saturated over the window, so the tail comes from bursts: scale on a lower queue target "
         "(spec.autoscaling) or give the pool that takes the time one more replica"
     )
-    return verdict, advice
+    return Tail("problem", head + (f": {where}" if where else ""), evidence, advice)
+
+
+def _settled(result: QuestionResult, tail: Tail | None) -> QuestionResult:
+    """Nothing to change stands only while the TTFT clients see is known to meet the SLO: with a quantile in the
+    same histogram bucket as its limit, the answer is that the histogram cannot tell (never a problem)."""
+    if tail is None or result.status != "ok":
+        return result
+    return dataclasses.replace(result, status=tail.status, verdict=tail.verdict)
 
 
 def _ratio(inp: DiagnosisInput, needs: tuple[float, float], evidence: list[Evidence]) -> QuestionResult:

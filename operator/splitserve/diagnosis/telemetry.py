@@ -2,7 +2,9 @@
 
 This is the only I/O in the diagnosis besides reading files. Every query is an instant query over a
 rate window (`[5m]` by default); histograms are read as p90 via `histogram_quantile`, the output-length
-histogram as its raw buckets so the (pure) questions can compute a coefficient of variation.
+histogram as its raw buckets so the (pure) questions can compute a coefficient of variation. The bucket
+bounds (`le`) of every histogram read as a quantile come first, in one query: a quantile is only known to
+lie in its bucket, and a verdict against an SLO must know how wide that is (buckets.py).
 
 Which series belong to the deployment: the operator's PodMonitor/ServiceMonitor copy the pods'
 `splitserve.io/deployment` and `splitserve.io/role` labels into `deployment` and `role` (as the
@@ -35,6 +37,9 @@ class Reading:
 
     value: float | None
     query: str
+    # A histogram quantile: the upper bounds (`le`) of the histogram's buckets, ascending, +Inf last; empty
+    # when not read. The quantile is interpolated inside one of them (buckets.judge says what it can tell).
+    buckets: tuple[float, ...] = ()
 
     @property
     def known(self) -> bool:
@@ -134,6 +139,9 @@ class Telemetry:
     # too busy to answer its /metrics in time leaves gaps, and rates over a gappy window are partial.
     scrape_coverage: tuple[tuple[str, float], ...] = ()
     scrape_coverage_query: str = ""
+    # The bucket bounds of each histogram read as a quantile (+Inf last), by metric name, and the query.
+    histogram_buckets: tuple[tuple[str, tuple[float, ...]], ...] = ()
+    histogram_buckets_query: str = ""
     notes: tuple[str, ...] = field(default_factory=tuple)
 
     def pool(self, role: str) -> PoolReadings:
@@ -178,6 +186,50 @@ def _quantile(q: float, metric: str, selector: str, window: str) -> str:
     return f"histogram_quantile({q:g}, sum by (le) (rate({metric}_bucket{{{selector}}}[{window}])))"
 
 
+# The histograms read as quantiles, by the selector their series are read with.
+ROUTER_QUANTILE_HISTOGRAMS = (
+    "splitserve_router_ttft_seconds",
+    "splitserve_router_itl_seconds",
+    "splitserve_router_kv_handoff_seconds",
+)
+ENGINE_QUANTILE_HISTOGRAMS = (
+    "vllm:inter_token_latency_seconds",
+    "vllm:time_to_first_token_seconds",
+    "vllm:request_prefill_time_seconds",
+    "vllm:request_time_per_output_token_seconds",
+)
+_QUANTILE_OF = re.compile(r"^histogram_quantile\([^,]+, sum by \(le\) \(rate\(([\w:]+)_bucket\{")
+
+
+def bounds_query(router: str, engines: str) -> str:
+    """How many series of each histogram have each bucket bound: one query for every histogram read."""
+
+    def count(metrics: tuple[str, ...], selector: str) -> str:
+        names = "|".join(f"{metric}_bucket" for metric in metrics)
+        series = "{" + _join(f'__name__=~"{names}"', selector) + "}"
+        return f'count by (histogram, le) (label_replace({series}, "histogram", "$1", "__name__", "(.+)_bucket"))'
+
+    return f"{count(ROUTER_QUANTILE_HISTOGRAMS, router)} or {count(ENGINE_QUANTILE_HISTOGRAMS, engines)}"
+
+
+def read_bounds(counts: Mapping[frozenset[tuple[str, str]], float]) -> dict[str, tuple[float, ...]]:
+    """Each histogram's bounds from `bounds_query`'s answer: the bounds every series has.
+
+    Series with other buckets (routers of two versions during an upgrade) are summed by `le` before the
+    quantile, and a bound only some series have holds a partial count there. The quantile still lies within
+    the bounds all of them share (their counts are whole), so those are the buckets it is known to.
+    """
+    by_histogram: dict[str, dict[float, float]] = {}
+    for labels, count in counts.items():
+        named = dict(labels)
+        if "histogram" in named and "le" in named:
+            by_histogram.setdefault(named["histogram"], {})[_parse_le(named["le"])] = count
+    return {
+        name: tuple(sorted(le for le, count in les.items() if count >= max(les.values())))
+        for name, les in sorted(by_histogram.items())
+    }
+
+
 def _mean(metric: str, selector: str, window: str) -> str:
     """A histogram's mean over the window: means add up along a request's legs, quantiles do not."""
     return f"sum(rate({metric}_sum{{{selector}}}[{window}])) / sum(rate({metric}_count{{{selector}}}[{window}]))"
@@ -219,9 +271,13 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
     """
     e, r, w = scope.engine_selector, scope.router_selector, scope.window
     tail = tail_of(w)
+    histograms_query = bounds_query(r, e)
+    histogram_buckets = read_bounds(await source.query_vector(histograms_query))
 
     async def scalar(promql: str) -> Reading:
-        return Reading(await source.query_scalar(promql), promql)
+        histogram = _QUANTILE_OF.match(promql)
+        buckets = histogram_buckets.get(histogram.group(1), ()) if histogram else ()
+        return Reading(await source.query_scalar(promql), promql, buckets)
 
     async def first_of(*queries: str) -> Reading:
         """The first query that has data (router metrics first, engine counters as the fallback)."""
@@ -311,6 +367,8 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         window=w,
         scrape_coverage=tuple(scrape_coverage),
         scrape_coverage_query=coverage_query,
+        histogram_buckets=tuple(histogram_buckets.items()),
+        histogram_buckets_query=histograms_query,
         prefill=await pool("prefill"),
         decode=await pool("decode"),
         router=router,
