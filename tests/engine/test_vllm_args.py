@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
+from pydantic import ValidationError
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
 from splitserve.api.topology import publishes_kv_events, role_pool
@@ -22,6 +23,8 @@ from splitserve.builders.vllm_args import (
     option_value,
     with_option,
 )
+from splitserve.engine.launcher import engine_environment
+from splitserve.engine.wait_settings import EVENTS_ON_CPU, WaitSettings
 from tests.engine.specs import ALL_ROLES, make_spec, specs
 
 # Flags the builder emits with a value; all others it emits are bare switches.
@@ -245,6 +248,35 @@ def test_engine_env_values_only_and_user_wins() -> None:
         }
     )
     assert build_engine_launch(spec, Role.PREFILL).env == {"VLLM_NIXL_SIDE_CHANNEL_PORT": "7000", "A": "1"}
+
+
+CPU_POOL = {"resources": {"gpus": 0, "cpu": "1", "memory": "4Gi"}}
+
+
+def test_cpu_pools_wait_on_events_and_gpu_pools_keep_vllms_waits_unsaid() -> None:
+    spec = make_spec(prefill=CPU_POOL, engine={"waits": {"spinMicroseconds": 20, "nixlPollMicroseconds": 2000}})
+    assert WaitSettings.from_env(build_engine_launch(spec, Role.PREFILL).env) == WaitSettings("events", 20, 2000)
+    # A GPU pool under Auto gets no variable at all: its pods stay as an older operator rendered them.
+    assert not any(name.startswith("SPLITSERVE_") for name in build_engine_launch(spec, Role.DECODE).env)
+
+
+@pytest.mark.parametrize(("mode", "expected"), [("Spin", "spin"), ("Events", "events")])
+def test_an_explicit_wait_mode_holds_on_any_pool(mode: str, expected: str) -> None:
+    spec = make_spec(prefill=CPU_POOL, engine={"waits": {"mode": mode}})
+    for role in (Role.PREFILL, Role.DECODE):
+        assert WaitSettings.from_env(build_engine_launch(spec, role).env).mode == expected
+
+
+def test_a_spin_pool_overrides_the_cpu_defaults_of_the_local_worker() -> None:
+    spec = make_spec(prefill=CPU_POOL, engine={"waits": {"mode": "Spin"}})
+    launch = build_engine_launch(spec, Role.PREFILL, cpu=True)
+    assert WaitSettings.from_env(engine_environment({}, launch.env, cpu=True)).mode == "spin"
+    assert WaitSettings.from_env(engine_environment({}, {}, cpu=True)) == EVENTS_ON_CPU
+
+
+def test_a_progress_poll_under_a_millisecond_is_refused() -> None:
+    with pytest.raises(ValidationError, match="nixlPollMicroseconds"):
+        make_spec(engine={"waits": {"nixlPollMicroseconds": 0}})
 
 
 def _events(launch: EngineLaunch) -> dict[str, Any] | None:

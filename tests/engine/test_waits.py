@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from splitserve.engine.waits import (
+from splitserve.engine.wait_settings import (
     ENV_MODE,
     ENV_NIXL_POLL_US,
     ENV_SPIN_US,
@@ -37,7 +37,7 @@ def test_settings_round_trip_through_the_environment() -> None:
 def test_unreadable_numbers_fall_back_to_the_defaults() -> None:
     settings = WaitSettings.from_env({ENV_MODE: "Events", ENV_SPIN_US: "lots", ENV_NIXL_POLL_US: "-5"})
     assert settings == WaitSettings("events", spin_us=0, nixl_poll_us=0)
-    assert EVENTS_ON_CPU == WaitSettings("events", spin_us=0, nixl_poll_us=1000)
+    assert WaitSettings("events", spin_us=0, nixl_poll_us=1000) == EVENTS_ON_CPU
 
 
 def _in_child(target: Any, *args: Any, timeout: float = 120) -> Any:

@@ -10,9 +10,11 @@ import resource
 import sys
 import time
 from multiprocessing.connection import Connection
+from pathlib import Path
 from typing import Any
 
-from splitserve.engine.waits import WaitSettings, install, patch_shm_broadcast
+from splitserve.engine.wait_settings import WaitSettings
+from splitserve.engine.waits import install, patch_shm_broadcast
 
 SHM_BROADCAST = "vllm.distributed.device_communicators.shm_broadcast"
 
@@ -66,7 +68,7 @@ def echo(mode: str, recheck_ms: int, handle: Any, pipe: Connection) -> None:
 
 
 def cpu_seconds_of(pid: int) -> float:
-    fields = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 

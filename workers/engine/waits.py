@@ -41,17 +41,10 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from types import ModuleType
-from typing import Any, Literal
+from typing import Any
 
-ENV_MODE = "SPLITSERVE_ENGINE_WAITS"
-ENV_SPIN_US = "SPLITSERVE_WAIT_SPIN_US"
-ENV_NIXL_POLL_US = "SPLITSERVE_NIXL_POLL_US"
-
-WaitMode = Literal["spin", "events"]
-DEFAULT_SPIN_US = 0
-DEFAULT_NIXL_POLL_US = 1000
+from splitserve.engine.wait_settings import WaitSettings
 
 # Where NIXL's agent lives, by build; `nixl._api` is an alias the `nixl` package installs for one of them.
 NIXL_API_MODULES = ("nixl_cu13._api", "nixl_cu12._api", "nixl_rocm._api")
@@ -63,43 +56,6 @@ HINT_HIGH_WATER_MARK = 1024
 ACTIVE_SECONDS = 1.0
 ACTIVE_RECHECK_MS = 1
 IDLE_RECHECK_MS = 50
-
-
-@dataclass(frozen=True)
-class WaitSettings:
-    mode: WaitMode = "spin"
-    spin_us: int = DEFAULT_SPIN_US
-    nixl_poll_us: int = DEFAULT_NIXL_POLL_US
-
-    @classmethod
-    def from_env(cls, environ: Mapping[str, str]) -> WaitSettings:
-        """The settings an engine's environment carries; anything unset or unreadable is vLLM's default."""
-        mode = environ.get(ENV_MODE, "spin").strip().lower()
-        if mode != "events":
-            return cls()
-        return cls(
-            "events", _int(environ, ENV_SPIN_US, DEFAULT_SPIN_US), _int(environ, ENV_NIXL_POLL_US, DEFAULT_NIXL_POLL_US)
-        )
-
-    def to_env(self) -> dict[str, str]:
-        if self.mode == "spin":
-            return {ENV_MODE: "spin"}
-        return {ENV_MODE: "events", ENV_SPIN_US: str(self.spin_us), ENV_NIXL_POLL_US: str(self.nixl_poll_us)}
-
-    def describe(self) -> str:
-        if self.mode == "spin":
-            return "spin (vLLM's own waits)"
-        return f"events (NIXL progress poll {self.nixl_poll_us} µs, reader spin {self.spin_us} µs)"
-
-
-def _int(environ: Mapping[str, str], name: str, default: int) -> int:
-    try:
-        return max(0, int(environ[name]))
-    except (KeyError, ValueError):
-        return default
-
-
-EVENTS_ON_CPU = WaitSettings("events")
 
 
 # --------------------------------------------------------------------------- counters

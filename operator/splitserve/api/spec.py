@@ -157,6 +157,32 @@ class SpeculativeDecoding(ApiModel):
     ngram_prompt_lookup_max: int = Field(4, ge=1, le=16, description="Longest n-gram matched for ngram.")
 
 
+class EngineWaits(ApiModel):
+    mode: Literal["Auto", "Spin", "Events"] = Field(
+        "Auto",
+        description="How an engine's threads wait for work. Spin: vLLM's own waits (NIXL's progress thread "
+        "polls without pause, the engine core and its worker spin for 1 s after each message): the least "
+        "latency when every engine thread has a core to itself, as on GPU nodes, and a core each while idle. "
+        "Events: they sleep until woken (NIXL polls UCX's event descriptors with a pause; the queues wake on "
+        "a hint splitserve makes reliable), so an idle engine uses no CPU and engines sharing cores do not "
+        "starve each other. Auto: Events for pools without GPUs, Spin for the others.",
+    )
+    spin_microseconds: int = Field(
+        0,
+        ge=0,
+        le=100_000,
+        description="Events: how long the engine core and its worker spin for a message before they sleep "
+        "(0: at once). Spinning buys a little latency with a core; worth it only with cores to spare.",
+    )
+    nixl_poll_microseconds: int = Field(
+        1000,
+        ge=1000,
+        le=1_000_000,
+        description="Events: the longest NIXL's progress thread sleeps when no UCX event wakes it "
+        "(NIXL rounds it up to whole milliseconds); a safety net, since UCX events wake it at once.",
+    )
+
+
 class EngineSpec(ApiModel):
     image: str | None = Field(
         None,
@@ -179,6 +205,9 @@ class EngineSpec(ApiModel):
         "auto", description="KV-cache storage dtype (vLLM --kv-cache-dtype); auto follows the model dtype."
     )
     max_num_seqs: int | None = Field(None, ge=1, le=4096, description="Max sequences in a running batch.")
+    waits: EngineWaits = Field(
+        default_factory=EngineWaits, description="How engine threads wait for work: spin or sleep until woken."
+    )
     kv_events_port: int = Field(
         5557,
         ge=1024,

@@ -14,6 +14,7 @@ from typing import Any
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
 from splitserve.api.topology import publishes_kv_events, role_pool
+from splitserve.engine.wait_settings import WaitSettings
 
 # Where the operator mounts a model PVC inside worker pods.
 MODEL_MOUNT_PATH = "/models"
@@ -266,6 +267,20 @@ def build_engine_launch(
     return EngineLaunch(args=args, env=engine_env(spec, role))
 
 
+def engine_waits(spec: InferenceDeploymentSpec, role: Role) -> WaitSettings | None:
+    """The waits of `role`'s engines; None for vLLM's own, left unsaid so that a GPU pool's pods stay
+    as they were (an operator upgrade must not roll them)."""
+    waits = spec.engine.waits
+    mode = waits.mode
+    if mode == "Auto":
+        mode = "Events" if role_pool(spec, role).resources.gpus == 0 else "Spin"
+        if mode == "Spin":
+            return None
+    if mode == "Spin":
+        return WaitSettings("spin")
+    return WaitSettings("events", spin_us=waits.spin_microseconds, nixl_poll_us=waits.nixl_poll_microseconds)
+
+
 def engine_env(spec: InferenceDeploymentSpec, role: Role) -> dict[str, str]:
     """Environment an engine of `role` needs. The user's engine.env comes last and wins.
 
@@ -275,6 +290,9 @@ def engine_env(spec: InferenceDeploymentSpec, role: Role) -> dict[str, str]:
     transfer = kv_transfer_config(spec, role)
     if transfer is not None and spec.kv_transfer.connector == Connector.NIXL:
         env["VLLM_NIXL_SIDE_CHANNEL_PORT"] = str(spec.kv_transfer.side_channel_port)
+    waits = engine_waits(spec, role)
+    if waits is not None:
+        env.update(waits.to_env())
     for var in spec.engine.env:
         if var.value is not None:
             env[var.name] = var.value
