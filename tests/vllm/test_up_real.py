@@ -7,16 +7,14 @@ process and no port behind, is checked as the session ends (the fleet fixture's 
 
 from __future__ import annotations
 
-import os
 import re
 import time
-from pathlib import Path
 
 import httpx
 import openai
 import pytest
 
-from tests.vllm.engines import process_tree
+from splitserve.local.procs import cpu_seconds, descendants
 from tests.vllm.fleet import MODEL, Fleet
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(900)]
@@ -51,26 +49,15 @@ def test_up_serves_through_a_real_kv_transfer(fleet: Fleet) -> None:
 IDLE_SECONDS = 5.0
 
 
-def _cpu_seconds(pids: list[int]) -> float:
-    total = 0.0
-    for pid in pids:
-        try:
-            fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        total += (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-    return total
-
-
 def test_an_idle_stack_sleeps(fleet: Fleet) -> None:
     """Router, prefill and decode workers and Prometheus, with no request: under 0.3 cores together.
 
     Before issue 26 each engine's NIXL progress thread kept a core busy (1.97 cores for the pair), and
     vLLM's queues spun for a second after every message. Prometheus scrapes every process every 2 s
     meanwhile, which is part of the figure."""
-    pids = process_tree(fleet.up.popen.pid)
+    pids = [fleet.up.popen.pid, *descendants(fleet.up.popen.pid)]
     time.sleep(1.5)  # past any wait that follows the last request
-    started, cpu = time.monotonic(), _cpu_seconds(pids)
+    started, cpu = time.monotonic(), cpu_seconds(pids)
     time.sleep(IDLE_SECONDS)
-    cores = (_cpu_seconds(pids) - cpu) / (time.monotonic() - started)
+    cores = (cpu_seconds(pids) - cpu) / (time.monotonic() - started)
     assert cores < 0.3, f"the idle stack used {cores:.2f} cores ({len(pids)} processes)"

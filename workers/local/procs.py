@@ -7,6 +7,7 @@ and orphans are reaped by init, not by us.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from pathlib import Path
 
 PROC = Path("/proc")
@@ -63,6 +64,17 @@ def descendants(root: int) -> set[int]:
                 found.add(child)
                 pending.append(child)
     return found
+
+
+def cpu_seconds(pids: Iterable[int]) -> float:
+    """User plus system CPU time the processes have used so far, in seconds (those gone count 0)."""
+    ticks = 0
+    for pid in pids:
+        fields = _stat_fields(pid)
+        if fields is not None:
+            # After the command name: state is field 0, utime and stime fields 11 and 12.
+            ticks += int(fields[11]) + int(fields[12])
+    return ticks / os.sysconf("SC_CLK_TCK")
 
 
 def rss_bytes(pid: int) -> int:
