@@ -27,12 +27,23 @@ class UpRun:
     run_dir: Path
     lines: list[str] = field(default_factory=list)
     _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
+    _stderr_text: str = ""
+    _stderr_read: threading.Event = field(default_factory=threading.Event)
 
     def _pump(self) -> None:
+        """stdout, line by line, into the queue; the pipe is closed once `up` (and its children) closed it."""
         assert self.popen.stdout is not None
-        for line in self.popen.stdout:
-            self._queue.put(line.rstrip("\n"))
+        with self.popen.stdout:
+            for line in self.popen.stdout:
+                self._queue.put(line.rstrip("\n"))
         self._queue.put(None)
+
+    def _pump_stderr(self) -> None:
+        """stderr, whole, kept for stderr(): read as it comes, so that a full pipe never blocks `up`."""
+        assert self.popen.stderr is not None
+        with self.popen.stderr:
+            self._stderr_text = self.popen.stderr.read()
+        self._stderr_read.set()
 
     def wait_for_line(self, pattern: re.Pattern[str], seconds: float) -> re.Match[str]:
         deadline = time.monotonic() + seconds
@@ -57,8 +68,10 @@ class UpRun:
         return descendants(self.popen.pid)
 
     def stderr(self) -> str:
+        """All of stderr: waits until `up` (and its children) closed it, as reading the pipe to its end would."""
         assert self.popen.stderr is not None
-        return self.popen.stderr.read()
+        self._stderr_read.wait()
+        return self._stderr_text
 
     def stop(self) -> None:
         """SIGTERM unless it already exited; SIGKILL if it has not stopped within 30 s."""
@@ -81,6 +94,7 @@ def start_up(*args: str, run_dir: Path, env: Mapping[str, str] | None = None) ->
     )
     run = UpRun(popen=popen, run_dir=run_dir)
     threading.Thread(target=run._pump, daemon=True).start()
+    threading.Thread(target=run._pump_stderr, daemon=True).start()
     return run
 
 

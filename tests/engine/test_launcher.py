@@ -143,19 +143,19 @@ RUNNER = textwrap.dedent(
 @pytest.mark.parametrize(("signum", "exit_code"), [(signal.SIGTERM, 0), (signal.SIGINT, 7)])
 def test_run_engine_forwards_signals_and_returns_the_exit_code(tmp_path: Path, signum: int, exit_code: int) -> None:
     (tmp_path / "stand_in_engine.py").write_text(STAND_IN)
-    runner = subprocess.Popen(
+    with subprocess.Popen(  # `with`: its pipe is closed on the way out
         [sys.executable, "-c", RUNNER, str(tmp_path), str(exit_code)], stdout=subprocess.PIPE, text=True
-    )
-    try:
-        assert runner.stdout is not None
-        assert runner.stdout.readline().strip() == "engine up"
-        runner.send_signal(signum)
-        assert runner.wait(timeout=20) == exit_code
-        assert runner.stdout.read().strip() == f"got {signum}"
-    finally:
-        if runner.poll() is None:
-            runner.kill()
-            runner.wait()
+    ) as runner:
+        try:
+            assert runner.stdout is not None
+            assert runner.stdout.readline().strip() == "engine up"
+            runner.send_signal(signum)
+            assert runner.wait(timeout=20) == exit_code
+            assert runner.stdout.read().strip() == f"got {signum}"
+        finally:
+            if runner.poll() is None:
+                runner.kill()
+                runner.wait()
 
 
 # --------------------------------------------------------------------------- readiness

@@ -310,20 +310,20 @@ def test_the_listener_closing_on_sigterm_is_not_a_failure(tmp_path: Path) -> Non
         "probe_interval_s": 0.2,
         "listener_dies": False,
     }
-    worker = subprocess.Popen(
+    with subprocess.Popen(  # `with`: its pipes are closed on the way out
         [sys.executable, "-c", RUNNER, json.dumps(config)], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
-    )
-    try:
-        assert worker.stdout is not None
-        assert worker.stdout.readline() == "ready\n"
-        with socket.create_connection(("127.0.0.1", port), timeout=5):
-            pass
-        time.sleep(1.0)  # the worker has seen it ready, and several probes found it listening
-        worker.send_signal(signal.SIGTERM)
-        # 1.5 s with the listener closed is several refused probes: they must not count while stopping.
-        assert worker.wait(timeout=20) == 4
-        assert worker.stderr is not None and "splitserve worker:" not in worker.stderr.read()
-    finally:
-        if worker.poll() is None:
-            worker.kill()
-            worker.wait()
+    ) as worker:
+        try:
+            assert worker.stdout is not None
+            assert worker.stdout.readline() == "ready\n"
+            with socket.create_connection(("127.0.0.1", port), timeout=5):
+                pass
+            time.sleep(1.0)  # the worker has seen it ready, and several probes found it listening
+            worker.send_signal(signal.SIGTERM)
+            # 1.5 s with the listener closed is several refused probes: they must not count while stopping.
+            assert worker.wait(timeout=20) == 4
+            assert worker.stderr is not None and "splitserve worker:" not in worker.stderr.read()
+        finally:
+            if worker.poll() is None:
+                worker.kill()
+                worker.wait()

@@ -283,5 +283,6 @@ def test_a_change_that_comes_during_a_rollout_is_applied_after_it(tmp_path: Path
         assert two.group(1) == one.group(2), "the second change starts from the first one's generation"
         assert two.group(3) == "model.dtype: float16 -> float32; model.maxModelLen: 2048 -> 1024"
         assert up.wait_for_line(COMPLETE_LINE, seconds=60).group(1) == two.group(2)
-        assert applying.wait(timeout=30) == 0
+        out, err = applying.communicate(timeout=30)  # reads and closes its pipes
+        assert applying.returncode == 0, out + err
         assert {gen for _, gen in _workers(up).values()} == {two.group(2)}

@@ -263,7 +263,11 @@ class ScriptedPublisher:
 async def test_a_sequence_gap_is_replayed_or_the_worker_is_rebuilt(replay: bool) -> None:
     publisher = ScriptedPublisher(replay)
     app = web.Application()
-    app.router.add_get("/kv_event_sources", lambda request: web.json_response(publisher.sources()))
+
+    async def sources(request: web.Request) -> web.Response:  # aiohttp deprecates plain functions as handlers
+        return web.json_response(publisher.sources())
+
+    app.router.add_get("/kv_event_sources", sources)
     runner = web.AppRunner(app)
     await runner.setup()
     site = web.TCPSite(runner, "127.0.0.1", 0)

@@ -17,11 +17,11 @@ StartServer = Callable[[Reply], Awaitable[str]]
 @pytest.fixture
 async def raw_server() -> AsyncIterator[StartServer]:
     servers: list[asyncio.Server] = []
-    connections: list[int] = []
+    writers: list[asyncio.StreamWriter] = []
 
     async def start(reply: Reply) -> str:
         async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-            connections.append(1)
+            writers.append(writer)
             try:
                 while True:
                     head = await reader.readuntil(b"\r\n\r\n")
@@ -47,8 +47,13 @@ async def raw_server() -> AsyncIterator[StartServer]:
         return f"http://127.0.0.1:{server.sockets[0].getsockname()[1]}"
 
     yield start
+    # Server.close() leaves accepted connections open (until Python 3.13): a handler still waiting on a
+    # kept-alive one would hold its socket past the loop's end.
+    for writer in writers:
+        writer.close()
     for server in servers:
         server.close()
+        await server.wait_closed()
 
 
 def _post(pool: HttpPool, timeout: float = 2.0) -> Awaitable[UpstreamResponse]:
@@ -132,6 +137,7 @@ async def test_close_delimited_body_and_first_byte_timeout(raw_server: StartServ
     slow = HttpPool(await raw_server(silent), connect_timeout=1)
     with pytest.raises(TimeoutError):
         await _post(slow, timeout=0.05)
+    await slow.close()
 
 
 async def test_stale_kept_alive_connection_is_retried_on_a_fresh_one(raw_server: StartServer) -> None:

@@ -48,24 +48,25 @@ def _cli(*args: str) -> subprocess.Popen[str]:
 
 
 def test_cli_serves_and_drains_on_sigterm() -> None:
-    process = _cli("--role", "decode", "--port", "0", "--count", "2", "--time-scale", "0.1", "--model", "tiny")
-    try:
-        assert process.stdout is not None
-        ready = [json.loads(process.stdout.readline()) for _ in range(2)]
-        assert [r["event"] for r in ready] == ["ready", "ready"] and {r["role"] for r in ready} == {"decode"}
+    # `with`: its pipes are closed on the way out.
+    with _cli("--role", "decode", "--port", "0", "--count", "2", "--time-scale", "0.1", "--model", "tiny") as process:
+        try:
+            assert process.stdout is not None
+            ready = [json.loads(process.stdout.readline()) for _ in range(2)]
+            assert [r["event"] for r in ready] == ["ready", "ready"] and {r["role"] for r in ready} == {"decode"}
 
-        async def ask() -> tuple[int, object]:
-            async with aiohttp.ClientSession() as session:
-                return await post(session, ready[1]["url"] + "/v1/completions", {"prompt": "x y", "max_tokens": 3})
+            async def ask() -> tuple[int, object]:
+                async with aiohttp.ClientSession() as session:
+                    return await post(session, ready[1]["url"] + "/v1/completions", {"prompt": "x y", "max_tokens": 3})
 
-        status, body = asyncio.run(ask())
-        assert status == 200 and body["model"] == "tiny"  # type: ignore[index]
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=20) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
-            process.wait()
+            status, body = asyncio.run(ask())
+            assert status == 200 and body["model"] == "tiny"  # type: ignore[index]
+            process.send_signal(signal.SIGTERM)
+            assert process.wait(timeout=20) == 0
+        finally:
+            if process.poll() is None:
+                process.kill()
+                process.wait()
 
 
 def test_cli_rejects_bad_config_with_one_line() -> None:
