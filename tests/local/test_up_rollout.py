@@ -155,7 +155,7 @@ def test_new_generations_roll_out_under_load_by_apply_and_by_editing_the_file(tm
 
             # 1. `up --apply FILE`: a new block size is a new KV generation.
             block_size = tmp_path / "block-size.yaml"
-            block_size.write_text(stack.original.replace("extraArgs:", "blockSize: 32\n    extraArgs:"))
+            block_size.write_text(stack.original.replace("extraArgs:", "blockSize: 32\n    extraArgs:", 1))
             applied_at = time.monotonic()
             result = _apply(block_size, stack.run_dir)
             done_at = time.monotonic()
