@@ -10,6 +10,7 @@ prefill + decode, NIXL), one after the other in the same run: `splitserve up`, t
 - warm-up: 8 prompts at concurrency 4;
 - light: 12 prompts at 0.5 req/s;
 - overload: 96 prompts at 8 req/s;
+- saturation: 256 prompts sent at once, 32 in flight at a time;
 
 each with vLLM's own client, `vllm bench serve --backend openai --endpoint /v1/completions --dataset-name
 random --random-input-len 128 --random-output-len 32` (testkit.vllm_bench). The client's own CPU is
@@ -55,6 +56,9 @@ LOADS = {
     "warm-up": ["--num-prompts", "8", "--max-concurrency", "4"],
     "light": ["--num-prompts", "12", "--request-rate", "0.5"],
     "overload": ["--num-prompts", "96", "--request-rate", "8"],
+    # Past what either stack serves: every prompt sent at once, 32 in flight (issue 26's overload of 8 req/s
+    # is served in full by both once the handoff is fast, so it no longer says what each can do).
+    "saturation": ["--num-prompts", "256", "--request-rate", "inf", "--max-concurrency", "32"],
 }
 # One load, not three: each `vllm bench serve` spends seconds importing vLLM before it sends anything.
 SMOKE_LOADS = {"overload": ["--num-prompts", "8", "--request-rate", "16"]}
@@ -82,8 +86,14 @@ def nixl_transfers(decode_url: str | None) -> tuple[float, float]:
     return total("vllm:nixl_xfer_time_seconds_count"), total("vllm:nixl_xfer_time_seconds_sum")
 
 
-def bench(base_url: str, tokenizer: Path, name: str, load: list[str], out: Path) -> dict[str, Any]:
-    """One `vllm bench serve` run; its JSON, with the client's own CPU use added."""
+def stack_cpu(up: UpRun) -> dict[str, float]:
+    """CPU seconds so far of each of the stack's processes (router, prefill-0, ...), its children included."""
+    return {str(p["name"]): cpu_seconds([int(p["pid"]), *descendants(int(p["pid"]))]) for p in up.process_state()}  # type: ignore[call-overload]
+
+
+def bench(base_url: str, tokenizer: Path, name: str, load: list[str], out: Path,
+          stack: Callable[[], dict[str, float]]) -> dict[str, Any]:  # fmt: skip
+    """One `vllm bench serve` run; its JSON, with the client's and each stack process's CPU use added."""
     command = [
         sys.executable, "-m", "testkit.vllm_bench", "bench", "serve", "--backend", "openai", "--base-url", base_url,
         "--endpoint", "/v1/completions", "--model", "tiny-llama", "--tokenizer", str(tokenizer), "--disable-tqdm",
@@ -94,12 +104,12 @@ def bench(base_url: str, tokenizer: Path, name: str, load: list[str], out: Path)
     # (before it, the client imports vLLM and tokenizes: seconds of a core that say nothing of the load).
     process = subprocess.Popen(command, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert process.stdout is not None
-    at_start = 0.0
+    at_start, stack_at_start = 0.0, stack()
     with (out / f"{name}.log").open("w") as log:
         for line in process.stdout:
             log.write(line)
             if MAIN_RUN_LINE in line:
-                at_start = cpu_seconds([process.pid])
+                at_start, stack_at_start = cpu_seconds([process.pid]), stack()
     _, status, usage = os.wait4(process.pid, 0)
     process.returncode = os.waitstatus_to_exitcode(status)
     if process.returncode != 0:
@@ -108,6 +118,12 @@ def bench(base_url: str, tokenizer: Path, name: str, load: list[str], out: Path)
     result: dict[str, Any] = json.loads((out / f"{name}.json").read_text())
     result["client_cpu_seconds"] = usage.ru_utime + usage.ru_stime - at_start
     result["client_cores_over_run"] = result["client_cpu_seconds"] / max(result["duration"], 1e-3)
+    # Which process the machine's cores went to while the load ran (the stack idles once it is answered).
+    stack_at_end = stack()
+    result["stack_cores_over_run"] = {
+        process: (stack_at_end[process] - stack_at_start.get(process, 0.0)) / max(result["duration"], 1e-3)
+        for process in stack_at_end
+    }
     return result
 
 
@@ -127,7 +143,7 @@ def run_stack(mode: str, engine: str, loads: dict[str, list[str]], out: Path, se
         figures["idle_cores"] = round(idle_cores(up, settle_s, idle_s), 3)
         for name, load in loads.items():
             before = nixl_transfers(decode if mode == "disaggregated" and engine == "vllm" else None)
-            result = bench(base_url, model_dir, name, load, work)
+            result = bench(base_url, model_dir, name, load, work, functools.partial(stack_cpu, up))
             after = nixl_transfers(decode if mode == "disaggregated" and engine == "vllm" else None)
             transfers = after[0] - before[0]
             figures[name] = {
@@ -137,6 +153,7 @@ def run_stack(mode: str, engine: str, loads: dict[str, list[str]], out: Path, se
                 "ttft_ms": {k: round(result[f"{k}_ttft_ms"], 1) for k in ("median", "p99")},
                 "itl_ms": {k: round(result[f"{k}_itl_ms"], 2) for k in ("median", "p99")},
                 "client_cores": round(result["client_cores_over_run"], 2),
+                "stack_cores": {process: round(c, 2) for process, c in result["stack_cores_over_run"].items()},
                 "nixl_transfers": int(transfers),
                 "nixl_mean_ms": round(1000 * (after[1] - before[1]) / transfers, 2) if transfers else None,
             }
@@ -151,6 +168,12 @@ def _load_cell(load: str, run: dict[str, Any]) -> str:
         f"{figures['request_throughput']:.2f} req/s, TTFT p50 {figures['ttft_ms']['median']:.0f} ms, "
         f"p99 {figures['ttft_ms']['p99']:.0f} ms (client {figures['client_cores']:.2f} cores)"
     )
+
+
+def _saturation_cores(run: dict[str, Any]) -> str:
+    figures = run["saturation"]
+    cores = {**figures["stack_cores"], "client": figures["client_cores"]}
+    return ", ".join(f"{name} {value:.2f}" for name, value in cores.items())
 
 
 def table(runs: list[dict[str, Any]]) -> str:
@@ -169,9 +192,12 @@ def table(runs: list[dict[str, Any]]) -> str:
         ("warm-up", "warm-up, 8 prompts, concurrency 4"),
         ("light", "light: 12 prompts at 0.5 req/s"),
         ("overload", "overload: 96 prompts at 8 req/s"),
+        ("saturation", "saturation: 256 prompts, 32 at a time"),
     ):
         if any(load in run for run in runs):
             rows.append((title, functools.partial(_load_cell, load)))
+    if any("saturation" in run for run in runs):
+        rows.append(("saturation: cores of each process", _saturation_cores))
     lines = ["| workload | aggregated (router + 1 vLLM) | disaggregated (router + prefill + decode, NIXL) |",
              "|---|---|---|"]  # fmt: skip
     lines += [f"| {title} | {cell('aggregated', pick)} | {cell('disaggregated', pick)} |" for title, pick in rows]
@@ -190,6 +216,12 @@ def ratios(runs: list[dict[str, Any]]) -> dict[str, float]:
         "overload_throughput_disagg_over_agg": round(overload, 3),
         "idle_cores_disaggregated": median("disaggregated", lambda r: r["idle_cores"]),
     }
+    if all("saturation" in run for run in runs):
+        found["saturation_throughput_disagg_over_agg"] = round(
+            median("disaggregated", lambda r: r["saturation"]["request_throughput"])
+            / median("aggregated", lambda r: r["saturation"]["request_throughput"]),
+            3,
+        )
     if all("light" in run for run in runs):
         found["light_ttft_p99_ms_disaggregated"] = median("disaggregated", lambda r: r["light"]["ttft_ms"]["p99"])
     return found  # fmt: skip
