@@ -271,12 +271,9 @@ def engine_waits(spec: InferenceDeploymentSpec, role: Role) -> WaitSettings | No
     """The waits of `role`'s engines; None for vLLM's own, left unsaid so that a GPU pool's pods stay
     as they were (an operator upgrade must not roll them)."""
     waits = spec.engine.waits
-    mode = waits.mode
-    if mode == "Auto":
-        mode = "Events" if role_pool(spec, role).resources.gpus == 0 else "Spin"
-        if mode == "Spin":
-            return None
-    if mode == "Spin":
+    if waits.mode == "Auto" and role_pool(spec, role).resources.gpus > 0:
+        return None
+    if waits.mode == "Spin":
         return WaitSettings("spin")
     return WaitSettings("events", spin_us=waits.spin_microseconds, nixl_poll_us=waits.nixl_poll_microseconds)
 
