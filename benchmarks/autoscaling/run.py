@@ -62,6 +62,7 @@ from splitserve.api.spec import InferenceDeploymentSpec  # noqa: E402
 from splitserve.autoscaling.decision import AutoscalerState  # noqa: E402
 from splitserve.io.prometheus import PrometheusClient, PrometheusUnavailable  # noqa: E402
 from splitserve.io.signals import evaluate  # noqa: E402
+from splitserve.local.procs import cpu_seconds  # noqa: E402
 from splitserve.router.discovery import UpdateCallback  # noqa: E402
 from splitserve.sim import Role, SimConfig  # noqa: E402
 from splitserve.sim.server import SimFleet, run_event_loop  # noqa: E402
@@ -326,15 +327,6 @@ class Child:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a live process, from /proc (Linux)."""
-    try:
-        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return 0.0
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def machine_busy_ticks() -> tuple[int, int]:
@@ -649,7 +641,7 @@ async def run_trace(
     pids.update({f"sims-{pool}": child.process.pid for pool, child in cluster.sims.items()})
     if cluster.prometheus.process is not None:
         pids["prometheus"] = cluster.prometheus.process.pid
-    cpu_start = {name: cpu_seconds(pid) for name, pid in pids.items()}
+    cpu_start = {name: cpu_seconds([pid]) for name, pid in pids.items()}
     busy_start = machine_busy_ticks()
     begin = time.monotonic()
     router_url = cluster.router.info["url"]
@@ -738,7 +730,7 @@ async def run_trace(
     record.cpu = {
         "wall_s": round(wall, 1),
         "cores": cores,
-        "cpu_s": {name: round(cpu_seconds(pid) - cpu_start[name], 1) for name, pid in pids.items()},
+        "cpu_s": {name: round(cpu_seconds([pid]) - cpu_start[name], 1) for name, pid in pids.items()},
         "machine_busy_fraction": round((busy_end[0] - busy_start[0]) / max(1, busy_end[1] - busy_start[1]), 3),
     }
     record.cpu["harness_share_of_machine"] = round(sum(record.cpu["cpu_s"].values()) / (wall * cores), 3)

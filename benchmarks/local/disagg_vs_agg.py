@@ -44,7 +44,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from splitserve.local.procs import cpu_seconds, descendants  # noqa: E402
+from splitserve.local.procs import cpu_seconds, descendants, tree_cpu_seconds  # noqa: E402
 from testkit.upctl import ENDPOINT_LINE, UpRun, start_up  # noqa: E402
 
 FILES = {
@@ -88,7 +88,7 @@ def nixl_transfers(decode_url: str | None) -> tuple[float, float]:
 
 def stack_cpu(up: UpRun) -> dict[str, float]:
     """CPU seconds so far of each of the stack's processes (router, prefill-0, ...), its children included."""
-    return {str(p["name"]): cpu_seconds([int(p["pid"]), *descendants(int(p["pid"]))]) for p in up.process_state()}  # type: ignore[call-overload]
+    return {str(p["name"]): tree_cpu_seconds(int(str(p["pid"]))) for p in up.process_state()}
 
 
 def bench(base_url: str, tokenizer: Path, name: str, load: list[str], out: Path,

@@ -44,33 +44,10 @@ from typing import Any
 import aiohttp
 
 from splitserve.local.ports import free_port
+from splitserve.local.procs import tree_cpu_seconds
 
 HERE = Path(__file__).resolve().parent
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 LOG_DIR = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/splitserve-router-bench"))
-
-
-def cpu_seconds(pid: int) -> float:
-    """User + system CPU time of a process and every live descendant (all threads) from /proc: a
-    ``--workers N`` router's processes are children of the one started."""
-    parents: dict[int, int] = {}
-    times: dict[int, float] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        parents[int(entry.name)] = int(fields[1])
-        times[int(entry.name)] = (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-    tree, frontier = {pid}, [pid]
-    while frontier:
-        parent = frontier.pop()
-        children = [child for child, of in parents.items() if of == parent and child not in tree]
-        tree.update(children)
-        frontier.extend(children)
-    return sum(times.get(p, 0.0) for p in tree)
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -217,9 +194,10 @@ async def measure(url: str, pid: int | None, args: argparse.Namespace, body: dic
     into.latencies.e2e += lat.e2e
     into.latencies.errors += lat.errors
     if pid is not None:
-        cpu_before = cpu_seconds(pid)
+        # The process and its children: a `--workers N` router's processes are children of the one started.
+        cpu_before = tree_cpu_seconds(pid)
         done, elapsed = await closed_loop(url, args.concurrency, args.seconds, body)
-        cpu = cpu_seconds(pid) - cpu_before
+        cpu = tree_cpu_seconds(pid) - cpu_before
         into.saturation.append(done / elapsed)
         into.cpu_util.append(cpu / elapsed)
         into.cpu_us.append(cpu / max(1, done) * 1e6)

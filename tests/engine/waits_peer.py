@@ -6,7 +6,6 @@ Run in child processes (spawn), so each starts with the waits its test installs 
 from __future__ import annotations
 
 import os
-import resource
 import sys
 import time
 from multiprocessing.connection import Connection
@@ -18,11 +17,6 @@ from splitserve.local.procs import cpu_seconds
 SHM_BROADCAST = "vllm.distributed.device_communicators.shm_broadcast"
 
 
-def process_cpu_seconds() -> float:
-    usage = resource.getrusage(resource.RUSAGE_SELF)
-    return usage.ru_utime + usage.ru_stime
-
-
 def idle_nixl_agent_cpu(settings: WaitSettings, seconds: float) -> float:
     """Cores used by this process while a NIXL agent with a UCX backend sits idle for `seconds`."""
     install(settings)
@@ -30,9 +24,9 @@ def idle_nixl_agent_cpu(settings: WaitSettings, seconds: float) -> float:
 
     agent = nixl_agent(f"idle-{os.getpid()}", nixl_agent_config(backends=["UCX"]))
     time.sleep(0.5)  # past the backend's start-up
-    started, cpu = time.monotonic(), process_cpu_seconds()
+    started, cpu = time.monotonic(), cpu_seconds([os.getpid()])
     time.sleep(seconds)
-    used = (process_cpu_seconds() - cpu) / (time.monotonic() - started)
+    used = (cpu_seconds([os.getpid()]) - cpu) / (time.monotonic() - started)
     del agent
     return used
 

@@ -77,6 +77,12 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def tree_cpu_seconds(root: int) -> float:
+    """CPU seconds so far of root and every live process below it (all their threads): a server that
+    forks workers, or a process that spawns an engine, counted whole."""
+    return cpu_seconds([root, *descendants(root)])
+
+
 def rss_bytes(pid: int) -> int:
     """Resident memory of one process (0 when it is gone or /proc is missing)."""
     try:
