@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import queue
@@ -25,6 +26,8 @@ ENDPOINT_LINE = re.compile(r"OpenAI endpoint: (http://127\.0\.0\.1:(\d+)/v1)")
 class UpRun:
     popen: subprocess.Popen[str]
     run_dir: Path
+    # Where stderr is also written as it comes (a long run's post-mortem); stderr() has it either way.
+    stderr_log: Path | None = None
     lines: list[str] = field(default_factory=list)
     _queue: queue.Queue[str | None] = field(default_factory=queue.Queue)
     _stderr_text: str = ""
@@ -41,8 +44,15 @@ class UpRun:
     def _pump_stderr(self) -> None:
         """stderr, whole, kept for stderr(): read as it comes, so that a full pipe never blocks `up`."""
         assert self.popen.stderr is not None
-        with self.popen.stderr:
-            self._stderr_text = self.popen.stderr.read()
+        chunks: list[str] = []
+        mirror = self.stderr_log.open("w") if self.stderr_log is not None else contextlib.nullcontext()
+        with self.popen.stderr, mirror as log:
+            for line in self.popen.stderr:
+                chunks.append(line)
+                if log is not None:
+                    log.write(line)
+                    log.flush()
+        self._stderr_text = "".join(chunks)
         self._stderr_read.set()
 
     def wait_for_line(self, pattern: re.Pattern[str], seconds: float) -> re.Match[str]:
@@ -73,18 +83,18 @@ class UpRun:
         self._stderr_read.wait()
         return self._stderr_text
 
-    def stop(self) -> None:
-        """SIGTERM unless it already exited; SIGKILL if it has not stopped within 30 s."""
+    def stop(self, grace_s: float = 30) -> None:
+        """SIGTERM unless it already exited; SIGKILL if it has not stopped within `grace_s`."""
         if self.popen.poll() is None:
             self.popen.send_signal(signal.SIGTERM)
             try:
-                self.popen.wait(timeout=30)
+                self.popen.wait(timeout=grace_s)
             except subprocess.TimeoutExpired:
                 self.popen.kill()
                 self.popen.wait(timeout=10)
 
 
-def start_up(*args: str, run_dir: Path, env: Mapping[str, str] | None = None) -> UpRun:
+def start_up(*args: str, run_dir: Path, env: Mapping[str, str] | None = None, stderr_log: Path | None = None) -> UpRun:
     popen = subprocess.Popen(
         [sys.executable, "-m", "splitserve", "up", "--run-dir", str(run_dir), *args],
         stdout=subprocess.PIPE,
@@ -92,7 +102,7 @@ def start_up(*args: str, run_dir: Path, env: Mapping[str, str] | None = None) ->
         text=True,
         env={**os.environ, **env} if env is not None else None,
     )
-    run = UpRun(popen=popen, run_dir=run_dir)
+    run = UpRun(popen=popen, run_dir=run_dir, stderr_log=stderr_log)
     threading.Thread(target=run._pump, daemon=True).start()
     threading.Thread(target=run._pump_stderr, daemon=True).start()
     return run

@@ -22,8 +22,6 @@ from __future__ import annotations
 import re
 import signal
 import subprocess
-import sys
-import threading
 import time
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -34,7 +32,7 @@ import httpx
 
 from splitserve.local.ports import free_port, is_port_free
 from splitserve.local.procs import is_alive
-from testkit.upctl import ENDPOINT_LINE, REPO, UpRun
+from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
 from tests.vllm.engines import Engine, process_name, process_tree, rss_bytes, start_ready_engine, stop_all
 from tests.vllm.pd import GREEDY, pd_request, token_prompt
 
@@ -104,17 +102,11 @@ class Fleet:
 
 
 def _start_stack(model_dir: Path, work: Path) -> UpRun:
-    """`splitserve up --prometheus`, its output read by a thread (stderr to a file: a pipe nobody reads
-    would block it once full)."""
-    stderr = (work / "up.stderr.log").open("w")
-    command = [sys.executable, "-m", "splitserve", "up", "--run-dir", str(work / "run"), "-f", str(STACK_FILE)]
-    command += ["--port", "0", "--prometheus", "--prometheus-port", "0", "--model-dir", str(model_dir)]
-    command += ["--startup-timeout", "600"]
-    popen = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-    stderr.close()
-    run = UpRun(popen=popen, run_dir=work / "run")
-    threading.Thread(target=run._pump, daemon=True).start()
-    return run
+    """`splitserve up --prometheus`, its stderr kept in the fleet's log folder as well."""
+    return start_up(
+        "-f", str(STACK_FILE), "--port", "0", "--prometheus", "--prometheus-port", "0", "--model-dir",
+        str(model_dir), "--startup-timeout", "600", run_dir=work / "run", stderr_log=work / "up.stderr.log",
+    )  # fmt: skip
 
 
 def _start_aggregated(model_dir: Path, work: Path, timeout: float) -> list[Future[Engine]]:
@@ -189,12 +181,7 @@ def start_fleet(model_dir: Path, work: Path, timeout: float) -> Fleet:
 
 def _stop_quietly(up: UpRun, engines: list[Engine]) -> None:
     try:
-        if up.popen.poll() is None:
-            up.popen.send_signal(signal.SIGTERM)
-            try:
-                up.popen.wait(timeout=STOP_SECONDS)
-            except subprocess.TimeoutExpired:
-                up.popen.kill()
+        up.stop(grace_s=STOP_SECONDS)
     finally:
         stop_all(engines)
 
