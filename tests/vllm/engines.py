@@ -21,6 +21,7 @@ import httpx
 
 from splitserve.engine.launcher import wait_ready
 from splitserve.local.ports import free_port
+from splitserve.local.procs import descendants, is_alive, rss_bytes
 
 MODEL_NAME = "tiny"
 STOP_GRACE_SECONDS = 20.0
@@ -50,39 +51,9 @@ def splitserve_command(*args: str) -> list[str]:
 # --------------------------------------------------------------------------- process trees
 
 
-def _children_map() -> dict[int, list[int]]:
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").iterdir():
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # The command name is in parentheses and may hold spaces: fields after the last ')'.
-        ppid = int(stat[stat.rindex(")") + 2 :].split()[1])
-        children.setdefault(ppid, []).append(int(entry.name))
-    return children
-
-
 def process_tree(pid: int) -> list[int]:
-    """`pid` and all its descendants."""
-    children = _children_map()
-    tree, pending = [], [pid]
-    while pending:
-        current = pending.pop()
-        tree.append(current)
-        pending.extend(children.get(current, []))
-    return tree
-
-
-def rss_bytes(pid: int) -> int:
-    try:
-        status = Path(f"/proc/{pid}/status").read_text()
-    except OSError:
-        return 0
-    match = re.search(r"^VmRSS:\s+(\d+) kB", status, re.MULTILINE)
-    return int(match.group(1)) * 1024 if match else 0
+    """`pid` and all its live descendants."""
+    return [pid, *descendants(pid)]
 
 
 def process_name(pid: int) -> str:
@@ -93,15 +64,7 @@ def process_name(pid: int) -> str:
 
 
 def _alive(pids: Iterable[int]) -> list[int]:
-    alive = []
-    for pid in pids:
-        try:
-            state = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if state[state.rindex(")") + 2] != "Z":
-            alive.append(pid)
-    return alive
+    return [pid for pid in pids if is_alive(pid)]
 
 
 # --------------------------------------------------------------------------- one engine

@@ -31,9 +31,9 @@ from typing import Any
 import httpx
 
 from splitserve.local.ports import free_port, is_port_free
-from splitserve.local.procs import is_alive
+from splitserve.local.procs import is_alive, rss_bytes
 from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
-from tests.vllm.engines import Engine, process_name, process_tree, rss_bytes, start_ready_engine, stop_all
+from tests.vllm.engines import Engine, process_name, process_tree, start_ready_engine, stop_all
 from tests.vllm.pd import GREEDY, pd_request, token_prompt
 
 MODEL = "tiny-llama"  # spec.model.name of deploy/local/tiny-disaggregated.yaml
