@@ -8,9 +8,7 @@ import dataclasses
 from collections.abc import AsyncIterator
 from typing import Any
 
-from aiohttp import web
-
-from splitserve.router.app import Router, build_app
+from splitserve.router.app import Router, RouterServer
 from splitserve.router.config import RouterConfig
 from splitserve.router.discovery import Discovery
 from splitserve.sim import Role, SimConfig
@@ -42,19 +40,13 @@ def router_config(**overrides: Any) -> RouterConfig:
 
 @contextlib.asynccontextmanager
 async def running_router(config: RouterConfig, discovery: Discovery | None = None) -> AsyncIterator[tuple[Router, str]]:
-    """A started router and its base URL; handler_cancellation as in production (cli.serve)."""
-    router = Router(config, discovery=discovery)
-    runner = web.AppRunner(build_app(router), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    server = site._server
-    assert server is not None
-    port = server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    """A started router and its base URL, served as `splitserve router` serves it."""
+    server = RouterServer(Router(config, discovery=discovery))
+    port = await server.start("127.0.0.1", 0)
     try:
-        yield router, f"http://127.0.0.1:{port}"
+        yield server.router, f"http://127.0.0.1:{port}"
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 def metric_value(router: Router, name: str, labels: dict[str, str] | None = None) -> float:

@@ -51,6 +51,7 @@ from pathlib import Path
 from typing import Any
 
 import aiohttp
+import orjson
 from aiohttp import web
 
 REPO = Path(__file__).resolve().parents[2]
@@ -235,8 +236,9 @@ class PushDiscovery:
 
 async def serve_router(settings: Settings) -> None:
     """Child process: the real router, its endpoints pushed by the harness."""
-    from splitserve.router.app import Router, build_app
+    from splitserve.router.app import Router, RouterServer
     from splitserve.router.config import DiscoveryKind, RouterConfig
+    from splitserve.router.httpserver import Request
 
     discovery = PushDiscovery()
     # Kubernetes-style discovery (so the router knows a prefill pool exists even while it is empty);
@@ -251,28 +253,21 @@ async def serve_router(settings: Settings) -> None:
         queue_timeout=120.0,
         request_timeout=300.0,
     )
-    router = Router(config, discovery=discovery)
-    app = build_app(router)
 
-    async def endpoints(request: web.Request) -> web.Response:
-        body = await request.json()
-        for pool, sets in body.items():
+    async def endpoints(request: Request) -> None:
+        for pool, sets in orjson.loads(request.body).items():
             discovery.set(pool, set(sets["ready"]), set(sets["terminating"]))
-        return web.json_response({})
+        request.respond_json({})
 
-    async def cpu(request: web.Request) -> web.Response:
-        return web.json_response({"cpu_s": time.process_time()})
+    async def cpu(request: Request) -> None:
+        request.respond_json({"cpu_s": time.process_time()})
 
-    app.router.add_post("/_bench/endpoints", endpoints)
-    app.router.add_get("/_bench/cpu", cpu)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    port = int(site._server.sockets[0].getsockname()[1])  # type: ignore[union-attr]
+    bench_routes = {"/_bench/endpoints": {"POST": endpoints}, "/_bench/cpu": {"GET": cpu}}
+    server = RouterServer(Router(config, discovery=discovery), extra_routes=bench_routes)
+    port = await server.start("127.0.0.1", 0)
     print(json.dumps({"url": f"http://127.0.0.1:{port}"}), flush=True)
     await wait_for_signal()
-    await runner.cleanup()
+    await server.close()
 
 
 async def announce_and_wait(routes: list[web.RouteDef], announcement: dict[str, Any]) -> None:

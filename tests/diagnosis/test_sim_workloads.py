@@ -44,13 +44,12 @@ from typing import Any
 
 import aiohttp
 import pytest
-from aiohttp import web
 
 from splitserve.api.spec import InferenceDeploymentSpec
 from splitserve.diagnosis.findings import QuestionResult
 from splitserve.diagnosis.report import Report
 from splitserve.io.telemetry import run_diagnosis
-from splitserve.router.app import Router, build_app
+from splitserve.router.app import Router, RouterServer
 from splitserve.router.config import RouterConfig
 from splitserve.sim import EngineLimits, LatencyModel, Role, SimConfig, SimWorker
 from testkit.prometheus import PrometheusServer, ScrapeTarget, requires_prometheus
@@ -312,16 +311,12 @@ async def running_router(decode: list[str], prefill: list[str]) -> AsyncIterator
         prefill_urls=tuple(prefill),
         health_interval=0.5,
     )
-    runner = web.AppRunner(build_app(Router(config)), handler_cancellation=True, access_log=None)
-    await runner.setup()
-    site = web.TCPSite(runner, "127.0.0.1", 0)
-    await site.start()
-    assert site._server is not None
-    port = site._server.sockets[0].getsockname()[1]  # type: ignore[attr-defined]
+    server = RouterServer(Router(config))
+    port = await server.start("127.0.0.1", 0)
     try:
         yield f"127.0.0.1:{port}"
     finally:
-        await runner.cleanup()
+        await server.close()
 
 
 async def drive(session: aiohttp.ClientSession, url: str, workload: Workload, until: float, errors: list[str]) -> None:

@@ -1,9 +1,9 @@
 """The router's HTTP application: handlers, lifecycle and the state they share.
 
 :class:`Router` owns everything one router instance has (config, metrics registry, pools,
-discovery task, counters); :func:`build_app` wires it into an ``aiohttp.web.Application`` whose
-startup/cleanup open and close the per-worker connection pools. Nothing lives at module level, so
-tests can run many routers in one process.
+discovery task, counters); :func:`routes` maps paths to its handlers and :class:`RouterServer` serves
+them on the router's own HTTP server (httpserver.py), starting and stopping the router with it.
+Nothing lives at module level, so tests can run many routers in one process.
 """
 
 from __future__ import annotations
@@ -14,11 +14,10 @@ import itertools
 import logging
 import time
 import uuid
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import Coroutine, Mapping
 
 import aiohttp
 import orjson
-from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST
 
 from splitserve.kubeconfig import load_access
@@ -28,7 +27,8 @@ from splitserve.router.discovery import Discovery, DnsDiscovery, KubernetesDisco
 from splitserve.router.discovery_file import FileDiscovery
 from splitserve.router.discovery_pods import PodDiscovery
 from splitserve.router.engine_tokens import EngineTokens
-from splitserve.router.flow import ClientGone, Flow, Handling, Outcome, RequestContext
+from splitserve.router.flow import Flow, Handling, Outcome, RequestContext
+from splitserve.router.httpserver import ClientGone, Handler, HttpServer, Request
 from splitserve.router.metrics import RouterMetrics, multiprocess_dir
 from splitserve.router.policies import PrecisePrefix, PrefixAware, RoutingRequest, make_policy
 from splitserve.router.pool import AdmissionBudget, Worker, WorkerPool
@@ -39,15 +39,15 @@ log = logging.getLogger(__name__)
 # One JSON line per finished request (silence with --log-level warning); `splitserve up --verbose` reads it.
 request_log = logging.getLogger("splitserve.router.requests")
 
-_FORWARDED_HEADERS = ("Authorization",)
+_FORWARDED_HEADERS = (("authorization", "Authorization"),)
 
 
 def _request_record(
-    request: web.Request, ctx: RequestContext | None, outcome: Outcome, handling: Handling, status: int, elapsed: float
+    request: Request, ctx: RequestContext | None, outcome: Outcome, handling: Handling, status: int, elapsed: float
 ) -> str:
     record: dict[str, object] = {
         "event": "request",
-        "request_id": ctx.request_id if ctx else request.headers.get("X-Request-Id"),
+        "request_id": ctx.request_id if ctx else request.headers.get("x-request-id"),
         "path": request.path,
         "status": status,
         "outcome": outcome.value,
@@ -182,7 +182,7 @@ class Router:
 
     async def _publish_pool_gauges(self) -> None:
         while True:
-            self.metrics.publish_pools()
+            self.metrics.publish()
             await asyncio.sleep(1.0)
 
     async def _run_discovery(self) -> None:
@@ -217,62 +217,61 @@ class Router:
 
     # ---- handlers ---------------------------------------------------------------------------
 
-    async def health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+    async def health(self, request: Request) -> None:
+        request.respond(200, b'{"status":"ok"}')
 
-    async def readiness(self, request: web.Request) -> web.Response:
+    async def readiness(self, request: Request) -> None:
         body = {
             "ready": self.ready,
             "draining": self.draining,
             "decode_workers": len(self.decode.healthy),
             "prefill_workers": len(self.prefill.healthy),
         }
-        return web.json_response(body, status=200 if self.ready else 503)
+        request.respond_json(body, status=200 if self.ready else 503)
 
-    async def workers(self, request: web.Request) -> web.Response:
+    async def workers(self, request: Request) -> None:
         """GET /splitserve/workers: each pool's workers with generation, state and in-flight count.
 
         Departing workers (gone from discovery, still finishing requests) are listed too, so a caller
         rolling generations knows, from the router itself, when an old worker gets nothing more.
         With ``--workers N`` this is the view of the process that answers.
         """
-        return web.json_response({"prefill": self.prefill.describe(), "decode": self.decode.describe()})
+        request.respond_json({"prefill": self.prefill.describe(), "decode": self.decode.describe()})
 
-    async def metrics_endpoint(self, request: web.Request) -> web.Response:
-        response = web.Response(body=self.metrics.exposition())
-        response.headers["Content-Type"] = CONTENT_TYPE_LATEST
-        return response
+    async def metrics_endpoint(self, request: Request) -> None:
+        request.respond(200, self.metrics.exposition(), content_type=CONTENT_TYPE_LATEST)
 
-    async def models(self, request: web.Request) -> web.Response:
+    async def models(self, request: Request) -> None:
         if self.config.model:
             card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "splitserve"}
-            return web.json_response({"object": "list", "data": [card]})
+            request.respond_json({"object": "list", "data": [card]})
+            return
         for worker in self.decode.workers:
             try:
                 async with worker.session.get(worker.url + "/v1/models", timeout=aiohttp.ClientTimeout(total=5)) as r:
                     if r.status == 200:
-                        return web.Response(body=await r.read(), content_type="application/json")
+                        request.respond(200, await r.read())
+                        return
             except (aiohttp.ClientError, TimeoutError, OSError):
                 continue
         raise errors.no_capacity("decode", 0)
 
-    async def completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=False)
+    def completions(self, request: Request) -> Coroutine[None, None, None]:
+        # The coroutine itself, not one awaiting it: a frame less on every resume of the request.
+        return self._generate(request, chat=False)
 
-    async def passthrough(self, request: web.Request) -> web.Response:
+    async def passthrough(self, request: Request) -> None:
         """/tokenize and /detokenize go to a healthy decode worker as they are (vLLM serves both; its
         ``bench serve`` asks for /tokenize). The engine's answer, errors included, comes back unchanged."""
-        raw = await self._read_body(request)
         last_error: Exception | None = None
         for worker in self.decode.healthy:
             try:
                 timeout = aiohttp.ClientTimeout(total=self.config.prefill_timeout, connect=self.config.connect_timeout)
-                headers = {"Content-Type": request.headers.get("Content-Type", "application/json")}
-                async with worker.session.post(worker.url + request.path, data=raw, headers=headers,
+                headers = {"Content-Type": request.headers.get("content-type", "application/json")}
+                async with worker.session.post(worker.url + request.path, data=request.body, headers=headers,
                                                timeout=timeout) as r:  # fmt: skip
-                    return web.Response(
-                        status=r.status, body=await r.read(), content_type=r.content_type or "application/json"
-                    )
+                    request.respond(r.status, await r.read(), content_type=r.content_type or "application/json")
+                    return
             except (aiohttp.ClientError, TimeoutError, OSError) as error:
                 last_error = error
                 continue
@@ -280,19 +279,10 @@ class Router:
             log.warning("%s failed on every decode worker: %s", request.path, last_error)
         raise errors.no_capacity("decode", 0)
 
-    async def chat_completions(self, request: web.Request) -> web.StreamResponse:
-        return await self._generate(request, chat=True)
+    def chat_completions(self, request: Request) -> Coroutine[None, None, None]:
+        return self._generate(request, chat=True)
 
-    async def _read_body(self, request: web.Request) -> bytes:
-        limit = self.config.max_body_bytes
-        if request.content_length is not None and request.content_length > limit:
-            raise errors.too_large(limit)
-        try:
-            return await request.read()
-        except web.HTTPRequestEntityTooLarge:
-            raise errors.too_large(limit) from None
-
-    async def _generate(self, request: web.Request, chat: bool) -> web.StreamResponse:
+    async def _generate(self, request: Request, chat: bool) -> None:
         started = time.monotonic()
         ctx: RequestContext | None = None
         self.active_requests += 1
@@ -303,7 +293,7 @@ class Router:
             if self.draining:
                 outcome = Outcome.REJECTED
                 raise errors.draining()
-            raw = await self._read_body(request)
+            raw = request.body
             try:
                 parsed = orjson.loads(raw)
             except orjson.JSONDecodeError as error:
@@ -316,13 +306,14 @@ class Router:
             if self.engine_tokens is not None and not token_ids:
                 token_ids = await self.engine_tokens.token_ids(body)
             self.metrics.prompt_tokens.observe(shape.tokens)
-            headers = {h: request.headers[h] for h in _FORWARDED_HEADERS if h in request.headers}
+            client_headers = request.headers
+            headers = {name: client_headers[key] for key, name in _FORWARDED_HEADERS if key in client_headers}
             ctx = RequestContext(
                 path=request.path,
                 body=body,
                 raw_body=raw,
                 stream=body.get("stream") is True,
-                request_id=request.headers.get("X-Request-Id") or self._new_request_id(),
+                request_id=client_headers.get("x-request-id") or self._new_request_id(),
                 routing=RoutingRequest(
                     shape.tokens,
                     shape.block_hashes,
@@ -332,9 +323,8 @@ class Router:
                 started=started,
                 forward_headers=headers,
             )
-            response = await self.flow.serve(ctx, request)
-            outcome, handling, status = ctx.outcome, ctx.handling, response.status
-            return response
+            await self.flow.serve(ctx, request)
+            outcome, handling, status = ctx.outcome, ctx.handling, request.status
         except errors.RouterError as error:
             status = error.status
             if ctx is not None:
@@ -349,6 +339,7 @@ class Router:
             self.metrics.requests.labels(outcome.value, handling.value).inc()
             self.metrics.generation_requests.labels(ctx.generation if ctx else "", outcome.value).inc()
             self.metrics.e2e.observe(elapsed)
+            self.metrics.request_finished()
             if request_log.isEnabledFor(logging.INFO):
                 request_log.info(_request_record(request, ctx, outcome, handling, status, elapsed))
             self.active_requests -= 1
@@ -356,50 +347,50 @@ class Router:
                 self._idle.set()
 
 
-ROUTER_KEY = web.AppKey("router", Router)
+def routes(router: Router) -> dict[str, dict[str, Handler]]:
+    """Path -> method -> handler: what the router serves."""
+    return {
+        "/v1/completions": {"POST": router.completions},
+        "/v1/chat/completions": {"POST": router.chat_completions},
+        "/v1/models": {"GET": router.models},
+        "/tokenize": {"POST": router.passthrough},
+        "/detokenize": {"POST": router.passthrough},
+        "/health": {"GET": router.health},
+        "/ready": {"GET": router.readiness},
+        "/metrics": {"GET": router.metrics_endpoint},
+        "/splitserve/workers": {"GET": router.workers},
+    }
 
-Handler = Callable[[web.Request], Awaitable[web.StreamResponse]]
 
+class RouterServer:
+    """A started router on a listening socket: ``start`` it, then ``shutdown`` (drain) or ``close``."""
 
-@web.middleware
-async def openai_errors(request: web.Request, handler: Handler) -> web.StreamResponse:
-    """Every error leaves as OpenAI-style JSON; tracebacks stay in the log."""
-    try:
-        return await handler(request)
-    except errors.RouterError as error:
-        return error.response()
-    except ClientGone:
-        return web.Response(status=499)  # nobody is listening; aiohttp just closes
-    except web.HTTPException as error:
-        if error.status < 400:
+    def __init__(self, router: Router, extra_routes: Mapping[str, Mapping[str, Handler]] | None = None) -> None:
+        self.router = router
+        self._routes = {**routes(router), **(extra_routes or {})}
+        self.http: HttpServer | None = None
+        self.port = 0
+
+    async def start(self, host: str, port: int, reuse_port: bool = False) -> int:
+        await self.router.start()
+        try:
+            self.http = HttpServer(self._routes, self.router.config.max_body_bytes)
+            self.port = await self.http.listen(host, port, reuse_port=reuse_port)
+        except BaseException:
+            await self.router.stop()
             raise
-        code = {404: "not_found", 405: "method_not_allowed", 413: "request_too_large"}.get(error.status, "http_error")
-        return errors.RouterError(error.status, error.reason, code).response()
-    except asyncio.CancelledError:
-        raise
-    except Exception:
-        log.exception("unhandled error on %s %s", request.method, request.path)
-        return errors.RouterError(500, "Internal router error.", "internal_error", error_type="server_error").response()
+        return self.port
 
+    async def shutdown(self, grace_seconds: float) -> bool:
+        """Stop accepting, let in-flight requests finish (up to ``grace_seconds``), then close.
+        True when every request finished in time."""
+        assert self.http is not None
+        self.http.stop_accepting()
+        finished = await self.router.drain(grace_seconds)
+        await self.close()
+        return finished
 
-def build_app(router: Router) -> web.Application:
-    """The aiohttp application of ``router``; its startup and cleanup own the router's lifecycle."""
-    app = web.Application(middlewares=[openai_errors], client_max_size=router.config.max_body_bytes)
-    app[ROUTER_KEY] = router
-    app.router.add_post("/v1/completions", router.completions)
-    app.router.add_post("/v1/chat/completions", router.chat_completions)
-    app.router.add_get("/v1/models", router.models)
-    app.router.add_post("/tokenize", router.passthrough)
-    app.router.add_post("/detokenize", router.passthrough)
-    app.router.add_get("/health", router.health)
-    app.router.add_get("/ready", router.readiness)
-    app.router.add_get("/metrics", router.metrics_endpoint)
-    app.router.add_get("/splitserve/workers", router.workers)
-
-    async def lifespan(_: web.Application) -> AsyncIterator[None]:
-        await router.start()
-        yield
-        await router.stop()
-
-    app.cleanup_ctx.append(lifespan)
-    return app
+    async def close(self) -> None:
+        if self.http is not None:
+            await self.http.close()
+        await self.router.stop()

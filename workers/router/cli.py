@@ -9,8 +9,6 @@ import signal
 import sys
 from collections.abc import Callable
 
-from aiohttp import web
-
 from splitserve.router.config import DiscoveryKind, GenerationPairing, RouterConfig
 from splitserve.router.policies import PolicyName
 from splitserve.router.processes import usable_cores
@@ -171,16 +169,10 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
 
 async def serve(config: RouterConfig, stop: asyncio.Event | None = None, reuse_port: bool = False) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT), then stop accepting, drain and exit."""
-    from splitserve.router.app import Router, build_app
+    from splitserve.router.app import Router, RouterServer
 
-    router = Router(config)
-    app = build_app(router)
-    runner = web.AppRunner(app, handler_cancellation=True, access_log=None, shutdown_timeout=config.drain_seconds)
-    await runner.setup()
-    site = web.TCPSite(
-        runner, config.host, config.port, backlog=2048, reuse_address=True, reuse_port=reuse_port or None
-    )
-    await site.start()
+    server = RouterServer(Router(config))
+    await server.start(config.host, config.port, reuse_port=reuse_port)
     log.info("router listening on %s:%d (prefill=%s, decode=%s)", config.host, config.port,
              config.prefill_policy, config.decode_policy)  # fmt: skip
     stop = stop or asyncio.Event()
@@ -189,12 +181,10 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None, reuse_p
         loop.add_signal_handler(sig, stop.set)
     await stop.wait()
     log.info("shutting down: no new connections, draining %d in-flight requests for up to %gs",
-             router.active_requests, config.drain_seconds)  # fmt: skip
-    await site.stop()  # closes the listening socket; open connections keep being served
-    finished = await router.drain(config.drain_seconds)
-    if not finished:
-        log.warning("drain period over with %d requests still in flight", router.active_requests)
-    await runner.cleanup()
+             server.router.active_requests, config.drain_seconds)  # fmt: skip
+    # Open connections keep being served; each closes after its answer.
+    if not await server.shutdown(config.drain_seconds):
+        log.warning("drain period over with %d requests still in flight", server.router.active_requests)
 
 
 def _startup_problem(config: RouterConfig) -> str | None:

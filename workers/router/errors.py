@@ -5,7 +5,6 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 import orjson
-from aiohttp import web
 
 
 class RouterError(Exception):
@@ -33,9 +32,6 @@ class RouterError(Exception):
 
     def body(self) -> bytes:
         return orjson.dumps(self.payload())
-
-    def response(self) -> web.Response:
-        return web.Response(status=self.status, body=self.body(), content_type="application/json", headers=self.headers)
 
     def sse_event(self) -> bytes:
         """The error as one server-sent event, for failures after a stream has started."""

@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import orjson
-from aiohttp import web
 
 from splitserve.router import errors, pairing
 from splitserve.router.config import GenerationPairing, RouterConfig
+from splitserve.router.httpserver import ClientGone, Request
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.policies import RoutingRequest
 from splitserve.router.pool import Worker, WorkerPool
@@ -46,6 +46,7 @@ PREFILL_KV_PARAMS: dict[str, Any] = {
 # Phrases of decode errors that mean "the transferred KV is not there": retry aggregated.
 KV_ERROR_MARKERS = (b"kv_transfer", b"kv transfer", b"kv cache transfer", b"remote kv", b"kv blocks", b"kv_load")
 _SSE_HEADERS = {"Content-Type": "text/event-stream", "Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
+_LAST_CHUNK = b"0\r\n\r\n"  # a chunked body's end, alone: no event, no inter-token time
 # The generation of the decode worker that produced an answer (left out when unknown).
 GENERATION_HEADER = "X-Splitserve-Generation"
 
@@ -132,6 +133,20 @@ def prefill_body(body: dict[str, Any]) -> dict[str, Any]:
     return leg
 
 
+def decode_payload(ctx: RequestContext, kv_params: dict[str, Any] | None) -> bytes:
+    """The decode leg's body. Aggregated: the client's bytes untouched. With KV: the client's bytes with
+    ``kv_transfer_params`` spliced in before the closing brace, instead of serialising the body again."""
+    if kv_params is None:
+        return ctx.raw_body
+    if "kv_transfer_params" not in ctx.body:
+        inner = ctx.raw_body.rstrip()
+        if inner.endswith(b"}"):  # always, for a JSON object; checked so odd bytes fall back safely
+            inner = inner[:-1].rstrip()
+            separator = b"" if inner.endswith(b"{") else b","
+            return inner + separator + b'"kv_transfer_params":' + orjson.dumps(kv_params) + b"}"
+    return orjson.dumps({**ctx.body, "kv_transfer_params": kv_params})
+
+
 def count_streamed_tokens(chunk: bytes) -> int:
     """Generated-token events in a chunk of vLLM's SSE: data events minus [DONE] and usage-only ones."""
     return chunk.count(b"data: ") - chunk.count(b"data: [DONE]") - chunk.count(b'"choices":[]')
@@ -154,7 +169,8 @@ class Flow:
     def _wants_prefill(self, ctx: RequestContext) -> bool:
         return self._has_prefill_pool and ctx.routing.prompt_tokens >= self._config.disagg_threshold_tokens
 
-    async def serve(self, ctx: RequestContext, http_request: web.Request) -> web.StreamResponse:
+    async def serve(self, ctx: RequestContext, http_request: Request) -> None:
+        """Serve ``ctx`` and answer ``http_request``; RouterError when nothing could be sent."""
         deadline = time.monotonic() + self._config.queue_timeout
         # Traffic shift: a request that will be split goes to a generation that has prefill workers
         # (asked again whenever the request waited, as the pools change under it).
@@ -173,7 +189,8 @@ class Flow:
             try:
                 kv_params = await self._maybe_prefill(ctx, decode.generation)
             except _PassThrough as answer:
-                return _passthrough_response(answer.status, answer.body, ctx.request_id, ctx.generation)
+                _respond_passthrough(http_request, answer.status, answer.body, ctx.request_id, ctx.generation)
+                return
             retries = 0
             while True:
                 assert decode is not None
@@ -192,7 +209,8 @@ class Flow:
                     else:
                         self._metrics.cross_generation_pairs.inc()
                 try:
-                    return await self._decode_attempt(ctx, decode, kv_params, http_request)
+                    await self._decode_attempt(ctx, decode, kv_params, http_request)
+                    return
                 except _KvMissing:
                     # Not the worker's fault: run it aggregated on the same worker.
                     self._metrics.fallbacks.labels("decode_kv_error").inc()
@@ -312,11 +330,9 @@ class Flow:
     # ---- decode -----------------------------------------------------------------------------
 
     async def _decode_attempt(
-        self, ctx: RequestContext, worker: Worker, kv_params: dict[str, Any] | None, http_request: web.Request
-    ) -> web.StreamResponse:
-        # Aggregated attempts forward the client's bytes untouched (no re-serialisation).
-        with_kv = {**ctx.body, "kv_transfer_params": kv_params} if kv_params is not None else None
-        payload = orjson.dumps(with_kv) if with_kv is not None else ctx.raw_body
+        self, ctx: RequestContext, worker: Worker, kv_params: dict[str, Any] | None, http_request: Request
+    ) -> None:
+        payload = decode_payload(ctx, kv_params)
         config = self._config
         deadline = ctx.started + config.request_timeout
         headers = {**ctx.forward_headers, "Content-Type": "application/json", "X-Request-Id": ctx.request_id}
@@ -334,7 +350,8 @@ class Flow:
                         raise _Retriable(f"HTTP {r.status}: {body[:200]!r}")
                     ctx.outcome = Outcome.CLIENT_ERROR
                     self._decode.record_success(worker)
-                    return _passthrough_response(r.status, body, ctx.request_id, worker.generation)
+                    _respond_passthrough(http_request, r.status, body, ctx.request_id, worker.generation)
+                    return
                 if not ctx.stream:
                     body = await r.read()
                     self._decode.record_success(worker)
@@ -343,12 +360,14 @@ class Flow:
                     headers = {"Content-Type": content_type, "X-Request-Id": ctx.request_id}
                     if worker.generation:
                         headers[GENERATION_HEADER] = worker.generation
-                    return web.Response(status=r.status, body=body, headers=headers)
-                first = await r.readany()
+                    http_request.respond(r.status, body, headers)
+                    return
+                # A chunked stream (vLLM's) is relayed in its own framing; any other is framed here.
+                first = await (r.read_framed() if r.chunked else r.readany())
                 if not first:
                     raise _Retriable("decode closed the stream before its first byte")
                 self._decode.record_success(worker)
-                return await self._relay(ctx, r, first, handoff_start, kv_params is not None, http_request, worker)
+                await self._relay(ctx, r, first, handoff_start, kv_params is not None, http_request, worker)
         except (TimeoutError, OSError) as error:
             # Only reached before the client saw a byte: _relay handles its own failures.
             raise _Retriable(f"{type(error).__name__}: {error}") from None
@@ -373,9 +392,9 @@ class Flow:
         first: bytes,
         handoff_start: float,
         disaggregated: bool,
-        http_request: web.Request,
+        http_request: Request,
         worker: Worker,
-    ) -> web.StreamResponse:
+    ) -> None:
         metrics = self._metrics
         now = time.monotonic()
         ctx.ttft = now - ctx.started
@@ -386,22 +405,16 @@ class Flow:
         headers = {**_SSE_HEADERS, "X-Request-Id": ctx.request_id}
         if worker.generation:
             headers[GENERATION_HEADER] = worker.generation
-        response = web.StreamResponse(status=upstream.status, headers=headers)
-        try:
-            await response.prepare(http_request)
-        except ConnectionResetError:
-            raise ClientGone from None
+        # vLLM streams chunked: its chunks go to the client as they are. Anything else is framed here.
+        framed = upstream.chunked
+        read = upstream.read_framed if framed else upstream.readany
         itl = metrics.itl
-        chunk, last, tokens = first, now, 0
-        while True:
-            tokens += count_streamed_tokens(chunk)
-            if upstream.at_eof():
-                # The upstream already ended: the last bytes and the end of the answer go in one write.
-                await _write_eof(response, chunk)
-                break
-            await _write(response, chunk)
+        chunk, last, tokens = first, now, count_streamed_tokens(first)
+        ended = upstream.at_eof()  # the whole answer came at once (short answers): one write
+        http_request.start_stream(upstream.status, headers, chunk, framed, end=ended)
+        while not ended:
             try:
-                chunk = await upstream.readany()
+                chunk = await read()
             except (TimeoutError, OSError) as error:
                 # Headers are gone: the only honest answer left is an error event and a clean end.
                 self._decode.record_failure(worker)
@@ -409,35 +422,23 @@ class Flow:
                 log.warning("decode stream from %s broke for %s: %r", worker.url, ctx.request_id, error)
                 code = "decode_timeout" if isinstance(error, TimeoutError) else "decode_stream_interrupted"
                 message = f"The decode worker stopped mid-stream ({type(error).__name__})."
-                await _write_eof(response, errors.upstream_failed(message, code).sse_event() + b"data: [DONE]\n\n")
+                await http_request.finish(errors.upstream_failed(message, code).sse_event() + b"data: [DONE]\n\n")
                 break
             if not chunk:
-                await _write_eof(response, b"")
+                await http_request.finish()
                 break
-            now = time.monotonic()
-            itl.observe(now - last)
-            last = now
+            tokens += count_streamed_tokens(chunk)
+            if chunk != _LAST_CHUNK:
+                now = time.monotonic()
+                itl.observe(now - last)
+                last = now
+            if upstream.at_eof():
+                # The upstream already ended: the last bytes and the end of the answer go in one write.
+                await http_request.finish(chunk, framed)
+                break
+            await http_request.write(chunk, framed)
         ctx.completion_tokens = max(0, tokens)
         metrics.output_tokens.observe(ctx.completion_tokens)
-        return response
-
-
-class ClientGone(Exception):
-    """The client closed its connection while the answer was being streamed."""
-
-
-async def _write(response: web.StreamResponse, data: bytes) -> None:
-    try:
-        await response.write(data)
-    except ConnectionResetError:
-        raise ClientGone from None
-
-
-async def _write_eof(response: web.StreamResponse, data: bytes) -> None:
-    try:
-        await response.write_eof(data)
-    except ConnectionResetError:
-        raise ClientGone from None
 
 
 class _PassThrough(Exception):
@@ -449,8 +450,8 @@ class _PassThrough(Exception):
         self.body = body
 
 
-def _passthrough_response(status: int, body: bytes, request_id: str, generation: str) -> web.Response:
+def _respond_passthrough(request: Request, status: int, body: bytes, request_id: str, generation: str) -> None:
     headers = {"Content-Type": "application/json", "X-Request-Id": request_id}
     if generation:
         headers[GENERATION_HEADER] = generation
-    return web.Response(status=status, body=body, headers=headers)
+    request.respond(status, body, headers)

@@ -1,18 +1,23 @@
 """Prometheus metrics of one router (its own registry, so tests can build many routers).
 
-Names are a contract with the dashboards and the autoscaler: see METRICS.md beside this file.
+Names are a contract with the dashboards and the autoscaler: see METRICS.md beside this file. The
+request path's counters and histograms are fast_metrics' lock-free ones, turned into metric families
+when Prometheus scrapes.
 """
 
 from __future__ import annotations
 
+import asyncio
 import os
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest, multiprocess
+from prometheus_client import CollectorRegistry, Gauge, generate_latest, multiprocess
 from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
+
+from splitserve.router.fast_metrics import FastCollector, FastCounter, FastHistogram, FastMetric
 
 # Latency buckets, one list for every latency histogram (TTFT and its legs compare bucket for bucket).
 # histogram_quantile only knows which bucket a quantile lies in, so a p90 is judged against an SLO only as
@@ -147,63 +152,63 @@ class RouterMetrics:
         self.registry = registry or CollectorRegistry(auto_describe=True)
         self.shared_dir = shared_dir
         self._pool_gauges: PoolGauges | None = None
-        r = self.registry
         p = _PREFIX
-        self.requests = Counter(
-            p + "requests", "Finished requests by outcome and serving mode", ["outcome", "mode"], registry=r
+        self.requests = FastCounter(
+            p + "requests", "Finished requests by outcome and serving mode", ["outcome", "mode"]
         )
-        self.ttft = Histogram(p + "ttft_seconds", "Time to first streamed byte", buckets=LATENCY_BUCKETS, registry=r)
+        self.ttft = FastHistogram(p + "ttft_seconds", "Time to first streamed byte", buckets=LATENCY_BUCKETS)
         # By KV generation (the decode worker's): what a rollout's analysis compares, old against new.
-        self.generation_requests = Counter(
+        self.generation_requests = FastCounter(
             p + "generation_requests",
             "Finished requests by the generation of the decode worker that served them, and outcome",
             ["generation", "outcome"],
-            registry=r,
         )
-        self.generation_ttft = Histogram(
+        self.generation_ttft = FastHistogram(
             p + "generation_ttft_seconds",
             "Time to first streamed byte, by the decode worker's generation",
             ["generation"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.cross_generation_pairs = Counter(
+        self.cross_generation_pairs = FastCounter(
             p + "cross_generation_pairs",
             "Decode requests sent KV from a prefill worker of another generation (0 unless pairing is off)",
-            registry=r,
         )
-        self.itl = Histogram(p + "itl_seconds", "Time between streamed events", buckets=LATENCY_BUCKETS, registry=r)
-        self.e2e = Histogram(p + "e2e_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS, registry=r)
-        self.kv_handoff = Histogram(
+        self.itl = FastHistogram(p + "itl_seconds", "Time between streamed events", buckets=LATENCY_BUCKETS)
+        self.e2e = FastHistogram(p + "e2e_seconds", "Request latency, end to end", buckets=LATENCY_BUCKETS)
+        self.kv_handoff = FastHistogram(
             p + "kv_handoff_seconds",
             "From the prefill answer to decode's first byte (KV pull + first token)",
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
         # With ttft and kv_handoff these split a disaggregated TTFT into its legs: waiting for a slot,
         # the prefill, the handoff (the diagnosis names the leg that takes the time).
-        self.queue_wait = Histogram(
+        self.queue_wait = FastHistogram(
             p + "queue_wait_seconds",
             "Time a request waited for a worker slot, by pool",
             ["pool"],
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.prefill = Histogram(
+        self.prefill = FastHistogram(
             p + "prefill_seconds",
             "The prefill leg: request sent to a prefill worker until its answer",
             buckets=LATENCY_BUCKETS,
-            registry=r,
         )
-        self.fallbacks = Counter(p + "fallbacks", "Aggregated fallbacks by reason", ["reason"], registry=r)
-        self.retries = Counter(p + "retries", "Upstream attempts retried on another worker", ["pool"], registry=r)
-        self.ejections = Counter(p + "ejections", "Workers ejected after consecutive failures", ["pool"], registry=r)
-        self.prompt_tokens = Histogram(
-            p + "prompt_tokens", "Prompt length in (possibly approximated) tokens", buckets=_TOKEN_BUCKETS, registry=r
+        self.fallbacks = FastCounter(p + "fallbacks", "Aggregated fallbacks by reason", ["reason"])
+        self.retries = FastCounter(p + "retries", "Upstream attempts retried on another worker", ["pool"])
+        self.ejections = FastCounter(p + "ejections", "Workers ejected after consecutive failures", ["pool"])
+        self.prompt_tokens = FastHistogram(
+            p + "prompt_tokens", "Prompt length in (possibly approximated) tokens", buckets=_TOKEN_BUCKETS
         )
-        self.output_tokens = Histogram(
-            p + "output_tokens", "Generated tokens per request", buckets=_TOKEN_BUCKETS, registry=r
-        )
+        self.output_tokens = FastHistogram(p + "output_tokens", "Generated tokens per request", buckets=_TOKEN_BUCKETS)
+        fast: list[FastMetric] = [value for value in vars(self).values() if isinstance(value, FastMetric)]
+        # One process: the collector builds the families at scrape time. Several: each flushes what it
+        # counted into prometheus-client's multiprocess metrics (publish()), which the scrape sums.
+        self._mirrors: list[tuple[FastMetric, Any]] = []
+        self._flush_pending = False
+        if shared_dir is None:
+            self.registry.register(FastCollector(fast))
+        else:
+            self._mirrors = [(metric, metric.mirror(self.registry)) for metric in fast]
 
     def watch_pools(self, pools: Sequence[PoolView]) -> None:
         """Publish queue depth, in-flight and worker gauges of ``pools`` (read at scrape time)."""
@@ -212,15 +217,27 @@ class RouterMetrics:
         else:
             self._pool_gauges = PoolGauges(pools, self.registry)
 
-    def publish_pools(self) -> None:
+    def request_finished(self) -> None:
+        """--workers N: flush soon (once per loop iteration however many requests finished in it), so a
+        scrape answered by another process counts this one's requests too."""
+        if self._mirrors and not self._flush_pending:
+            self._flush_pending = True
+            asyncio.get_running_loop().call_soon(self.publish)
+
+    def publish(self) -> None:
+        """--workers N: write this process's pool gauges and what its counters and histograms counted
+        since the last call into the shared multiprocess files (called every second and per scrape)."""
+        self._flush_pending = False
         if self._pool_gauges is not None:
             self._pool_gauges.publish()
+        for metric, mirror in self._mirrors:
+            metric.flush_into(mirror)
 
     def exposition(self) -> bytes:
         """The /metrics body: this router's registry, or the sum over all processes of a ``--workers N`` router."""
         if self.shared_dir is None:
             return generate_latest(self.registry)
-        self.publish_pools()
+        self.publish()
         merged = CollectorRegistry()
         multiprocess.MultiProcessCollector(merged, path=self.shared_dir)  # type: ignore[no-untyped-call]
         return generate_latest(merged)
