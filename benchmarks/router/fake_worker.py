@@ -2,8 +2,9 @@
 
 A raw asyncio protocol (uvloop when installed) speaking just enough HTTP/1.1 keep-alive: a prefill
 leg (``kv_transfer_params.do_remote_decode``) gets ``kv_transfer_params`` back at once; a decode or
-aggregated request gets a fixed answer of ``--tokens`` tokens (SSE when ``"stream": true``). No model
-time at all. Run several on consecutive ports: ``python fake_worker.py --port 9100 --count 4``.
+aggregated request gets a fixed answer of ``--tokens`` tokens (when ``"stream": true``, SSE in chunked
+encoding, one chunk per event, as vLLM sends it). No model time at all. Run several on consecutive
+ports: ``python fake_worker.py --port 9100 --count 4``.
 """
 
 from __future__ import annotations
@@ -16,14 +17,17 @@ import signal
 _TOKENS = 8
 
 
-def _sse_body(tokens: int) -> bytes:
+def _sse_answer(tokens: int) -> bytes:
+    """A streamed answer as vLLM (uvicorn) sends one: chunked, one chunk per server-sent event."""
     events = [
         b'data: {"id":"cmpl-1","object":"text_completion","created":0,"model":"m","choices":[{"index":0,"text":" t'
         + str(i).encode()
         + b'","logprobs":null,"finish_reason":null}]}\n\n'
         for i in range(tokens)
-    ]
-    return b"".join(events) + b"data: [DONE]\n\n"
+    ] + [b"data: [DONE]\n\n"]
+    chunks = b"".join(b"%x\r\n%b\r\n" % (len(event), event) for event in events)
+    head = b"HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nTransfer-Encoding: chunked\r\n\r\n"
+    return head + chunks + b"0\r\n\r\n"
 
 
 def _json_body(tokens: int) -> bytes:
@@ -61,7 +65,7 @@ def _response(status: bytes, content_type: bytes, body: bytes) -> bytes:
 class FakeWorker(asyncio.Protocol):
     def __init__(self, sse: bytes, whole: bytes) -> None:
         self._buffer = b""
-        self._sse = _response(b"200 OK", b"text/event-stream", sse)
+        self._sse = sse
         self._whole = _response(b"200 OK", b"application/json", whole)
         self._transport: asyncio.Transport | None = None
 
@@ -102,7 +106,7 @@ class FakeWorker(asyncio.Protocol):
 
 async def serve(host: str, port: int, count: int, tokens: int) -> None:
     loop = asyncio.get_running_loop()
-    sse, whole = _sse_body(tokens), _json_body(tokens)
+    sse, whole = _sse_answer(tokens), _json_body(tokens)
     servers = [
         await loop.create_server(lambda: FakeWorker(sse, whole), host, port + i, backlog=4096) for i in range(count)
     ]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -71,16 +72,18 @@ def test_operator_reconcile(tmp_path: Path) -> None:
     assert 0 < result["rss_idle_mib"] <= result["rss_peak_mib"]
 
 
+@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (scripts/setup.sh --with-prometheus)")
 def test_router_overhead(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     run(tmp_path, "benchmarks/router/bench.py", "overhead", "--smoke", "--out", str(out))
     rows = load(out)
     assert [row["target"].split(" (")[0] for row in rows] == ["direct to a decode worker", "splitserve router"]
     for row in rows:
-        assert row["requests"] > 0 and row["errors"] == 0, row
-        assert 0 < row["ttft_p50_ms"] <= row["e2e_p99_ms"], row
+        assert row["runs"] == 1 and row["errors"] == 0 and row["e2e_p99_ms"] > 0 and row["ttft_p99_ms"] > 0, row
     router = rows[1]
+    # wrk drove it, and its own CPU was measured (the figure that says whether it was the limit).
     assert router["saturation_rps"] > 0 and router["cpu_us_per_request"] > 0, router
+    assert 0 < router["loadgen_cpu_share"] < 1 and 0 < router["loadgen_cores_busy"] <= 1, router
 
 
 def test_router_policies(tmp_path: Path) -> None:
