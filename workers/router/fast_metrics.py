@@ -15,6 +15,8 @@ from __future__ import annotations
 
 from bisect import bisect_left
 from collections.abc import Iterable, Sequence
+from itertools import compress
+from operator import ne
 from typing import Generic, TypeVar
 
 from prometheus_client import Counter, Histogram
@@ -138,17 +140,16 @@ class FastHistogram(_Family[_HistogramChild]):
         # and the count are derived from them when it collects. Adding to them directly keeps the
         # multiprocess files exact without one observe() per sample.
         for values, child in list(self._children.items()):
-            target = mirror.labels(*values) if values else mirror
             counts, flushed = child.counts, child.flushed_counts
-            for index, bucket in enumerate(target._buckets):
-                delta = counts[index] - flushed[index]
-                if delta:
-                    bucket.inc(delta)
-                    flushed[index] = counts[index]
-            delta_sum = child.sum - child.flushed_sum
-            if delta_sum:
-                target._sum.inc(delta_sum)
-                child.flushed_sum = child.sum
+            if counts == flushed:  # compared in C: most children did not change since the last flush
+                continue
+            target = mirror.labels(*values) if values else mirror
+            buckets = target._buckets
+            for index in compress(range(len(counts)), map(ne, counts, flushed)):  # the changed ones, found in C
+                buckets[index].inc(counts[index] - flushed[index])
+            child.flushed_counts = counts.copy()
+            target._sum.inc(child.sum - child.flushed_sum)
+            child.flushed_sum = child.sum
 
 
 FastMetric = FastCounter | FastHistogram

@@ -222,14 +222,17 @@ class RouterMetrics:
         scrape answered by another process counts this one's requests too."""
         if self._mirrors and not self._flush_pending:
             self._flush_pending = True
-            asyncio.get_running_loop().call_soon(self.publish)
+            asyncio.get_running_loop().call_soon(self._flush)
 
     def publish(self) -> None:
         """--workers N: write this process's pool gauges and what its counters and histograms counted
         since the last call into the shared multiprocess files (called every second and per scrape)."""
-        self._flush_pending = False
         if self._pool_gauges is not None:
             self._pool_gauges.publish()
+        self._flush()
+
+    def _flush(self) -> None:
+        self._flush_pending = False
         for metric, mirror in self._mirrors:
             metric.flush_into(mirror)
 
