@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import gc
 import logging
 import signal
 import sys
@@ -173,6 +174,9 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None, reuse_p
 
     server = RouterServer(Router(config))
     await server.start(config.host, config.port, reuse_port=reuse_port)
+    # What is loaded by now lives as long as the process. Frozen, the cyclic collector stops scanning it:
+    # a full collection of those ~35k objects stalled the loop ~20 ms, a p99 spike every few seconds.
+    gc.freeze()
     log.info("router listening on %s:%d (prefill=%s, decode=%s)", config.host, config.port,
              config.prefill_policy, config.decode_policy)  # fmt: skip
     stop = stop or asyncio.Event()
