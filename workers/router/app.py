@@ -178,9 +178,9 @@ class Router:
             loop.create_task(self.decode.run_background()),
         ]
         if self.metrics.shared_dir is not None:
-            self._background.append(loop.create_task(self._publish_pool_gauges()))
+            self._background.append(loop.create_task(self._publish_metrics()))
 
-    async def _publish_pool_gauges(self) -> None:
+    async def _publish_metrics(self) -> None:
         while True:
             self.metrics.publish()
             await asyncio.sleep(1.0)

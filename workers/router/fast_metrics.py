@@ -43,7 +43,7 @@ class _HistogramChild:
         self._bounds = bounds
         self.counts = [0] * (len(bounds) + 1)  # one per bound (le, inclusive), then +Inf
         self.sum = 0.0
-        self.flushed_counts = [0] * (len(bounds) + 1)
+        self.flushed_counts = self.counts.copy()
         self.flushed_sum = 0.0
 
     def observe(self, value: float) -> None:
@@ -85,7 +85,7 @@ class FastCounter(_Family[_CounterChild]):
 
     def inc(self, amount: float = 1.0) -> None:
         assert self._unlabelled is not None, f"{self.name} has labels"
-        self._unlabelled.value += amount
+        self._unlabelled.inc(amount)
 
     def family(self) -> Metric:
         family = CounterMetricFamily(self.name, self.documentation, labels=list(self.labelnames))
@@ -117,10 +117,8 @@ class FastHistogram(_Family[_HistogramChild]):
         return _HistogramChild(self.bounds)
 
     def observe(self, value: float) -> None:
-        child = self._unlabelled
-        assert child is not None, f"{self.name} has labels"
-        child.counts[bisect_left(self.bounds, value)] += 1
-        child.sum += value
+        assert self._unlabelled is not None, f"{self.name} has labels"
+        self._unlabelled.observe(value)
 
     def family(self) -> Metric:
         family = HistogramMetricFamily(self.name, self.documentation, labels=list(self.labelnames))

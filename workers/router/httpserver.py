@@ -54,6 +54,15 @@ def _status_line(status: int) -> bytes:
     return b"HTTP/1.1 %d %s\r\n" % (status, _REASONS.get(status, b"Unknown"))
 
 
+def _answer_head(
+    status: int, headers: Mapping[str, str] | None, framing: bytes, date_line: bytes, close: bool
+) -> bytes:
+    """Status line, Date, ``headers``, ``framing`` (Content-Type and the length or chunked lines) and,
+    when the connection ends after this answer, ``Connection: close``."""
+    extra = _header_lines(headers) if headers else b""
+    return _status_line(status) + date_line + extra + framing + (b"Connection: close\r\n\r\n" if close else b"\r\n")
+
+
 def _header_lines(headers: Mapping[str, str]) -> bytes:
     lines = (b"%s: %s\r\n" % (name.encode("latin-1"), value.encode("latin-1")) for name, value in headers.items())
     return b"".join(lines)
@@ -78,7 +87,6 @@ class Request:
     """One request and the way to answer it. ``headers`` has lower-case names."""
 
     __slots__ = (
-        "_chunked",
         "_conn",
         "body",
         "finished",
@@ -106,12 +114,10 @@ class Request:
         self._conn = conn
 
     def _head(self, status: int, headers: Mapping[str, str] | None, framing: bytes) -> bytes:
-        conn = self._conn
-        if not self.keep_alive or conn.server.closing:
+        server = self._conn.server
+        if server.closing:
             self.keep_alive = False
-            framing += b"Connection: close\r\n"
-        extra = _header_lines(headers) if headers else b""
-        return _status_line(status) + conn.server.clock.date_line() + extra + framing + b"\r\n"
+        return _answer_head(status, headers, framing, server.clock.date_line(), close=not self.keep_alive)
 
     def respond(
         self,
@@ -178,10 +184,6 @@ class Request:
         conn.request_done(self)
         if conn.write_paused:
             await conn.drain()
-
-    def abort(self) -> None:
-        """Close the connection: the only honest end for an answer that cannot be completed."""
-        self._conn.close()
 
 
 class _Connection(asyncio.Protocol):
@@ -250,18 +252,21 @@ class _Connection(asyncio.Protocol):
         self._body_size = 0
         self._head_size = 0
 
+    def _head_fits(self, more: int) -> bool:
+        """Count ``more`` bytes of the request head; refuse the request (431) once it is too large."""
+        self._head_size += more
+        if self._head_size <= _MAX_HEAD_BYTES:
+            return True
+        self._refuse(errors.RouterError(431, "Request head too large.", "headers_too_large"))
+        return False
+
     def on_url(self, url: bytes) -> None:
-        self._url += url
-        self._head_size += len(url)
-        if self._head_size > _MAX_HEAD_BYTES:
-            self._refuse(errors.RouterError(431, "Request head too large.", "headers_too_large"))
+        if self._head_fits(len(url)):
+            self._url += url
 
     def on_header(self, name: bytes, value: bytes) -> None:
-        self._head_size += len(name) + len(value)
-        if self._head_size > _MAX_HEAD_BYTES:
-            self._refuse(errors.RouterError(431, "Request head too large.", "headers_too_large"))
-            return
-        self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
+        if self._head_fits(len(name) + len(value)):
+            self._headers[name.decode("latin-1").lower()] = value.decode("latin-1")
 
     def on_headers_complete(self) -> None:
         if self._refused:
@@ -305,9 +310,10 @@ class _Connection(asyncio.Protocol):
         self._refused = True
         if self._current is None and self.transport is not None and not self.closed:
             body = error.body()
-            self.send(_status_line(error.status) + _header_lines(error.headers)
-                      + b"Content-Type: application/json\r\nContent-Length: %d\r\nConnection: close\r\n\r\n" % len(body)
-                      + body)  # fmt: skip
+            framing = b"Content-Type: application/json\r\nContent-Length: %d\r\n" % len(body)
+            self.send(
+                _answer_head(error.status, error.headers, framing, self.server.clock.date_line(), close=True) + body
+            )
             # Half-close and keep reading (discarding) for a moment: closing with the client's body still
             # arriving would reset the connection, and the client would never read the answer.
             if self.transport.can_write_eof():
@@ -326,19 +332,16 @@ class _Connection(asyncio.Protocol):
             await handler(request)
             if not request.started:
                 raise RuntimeError(f"handler of {request.path} sent no answer")
-        except errors.RouterError as error:
-            if not request.started:
-                request.respond_error(error)
-            else:
-                self.close()
         except (ClientGone, asyncio.CancelledError):
             self.close()
-        except Exception:
-            log.exception("unhandled error on %s %s", request.method, request.path)
-            if not request.started:
-                request.respond_error(_INTERNAL_ERROR)
+        except Exception as error:
+            if not isinstance(error, errors.RouterError):
+                log.exception("unhandled error on %s %s", request.method, request.path)
+                error = _INTERNAL_ERROR
+            if request.started:
+                self.close()  # the answer is under way: a closed connection is the only error left to give
             else:
-                self.close()
+                request.respond_error(error)
         else:
             if not request.finished:
                 self.close()  # a stream left unfinished: closing is how the client learns it is incomplete

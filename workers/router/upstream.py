@@ -113,6 +113,26 @@ class _Connection(asyncio.Protocol):
             self.transport.close()
 
 
+def _next_chunk(buffer: bytearray, at: int) -> tuple[int, int, int] | None:
+    """The chunk of a chunked body that starts at ``at`` in ``buffer``, when it is all there:
+    (data start, data end, where the next chunk starts). The terminating chunk (and its trailers)
+    has no data: start == end. None while the chunk is incomplete."""
+    line_end = buffer.find(b"\r\n", at)
+    if line_end < 0:
+        return None
+    try:
+        size = int(bytes(buffer[at:line_end]).split(b";", 1)[0], 16)
+    except ValueError:
+        raise UpstreamError("bad chunk size from upstream") from None
+    start = line_end + 2
+    if size == 0:
+        trailer_end = buffer.find(b"\r\n\r\n", line_end)
+        return None if trailer_end < 0 else (start, start, trailer_end + 4)
+    if len(buffer) < start + size + 2:
+        return None
+    return start, start + size, start + size + 2
+
+
 class UpstreamResponse:
     """An answer being read; use as an async context manager so the connection goes back or closes."""
 
@@ -193,23 +213,11 @@ class UpstreamResponse:
         while True:
             buffer = conn.buffer
             end = 0
-            while True:
-                line_end = buffer.find(b"\r\n", end)
-                if line_end < 0:
+            while (chunk := _next_chunk(buffer, end)) is not None:
+                start, stop, end = chunk
+                if start == stop:
+                    self._done = True
                     break
-                try:
-                    size = int(bytes(buffer[end:line_end]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamError("bad chunk size from upstream") from None
-                if size == 0:
-                    trailer_end = buffer.find(b"\r\n\r\n", line_end)
-                    if trailer_end >= 0:
-                        end = trailer_end + 4
-                        self._done = True
-                    break
-                if len(buffer) < line_end + size + 4:
-                    break
-                end = line_end + size + 4
             if end:
                 data = bytes(buffer[:end])
                 del buffer[:end]
@@ -222,28 +230,15 @@ class UpstreamResponse:
         pieces: list[bytes] = []
         while True:
             buffer = conn.buffer
-            line_end = buffer.find(b"\r\n")
-            if line_end >= 0:
-                try:
-                    size = int(bytes(buffer[:line_end]).split(b";", 1)[0], 16)
-                except ValueError:
-                    raise UpstreamError("bad chunk size from upstream") from None
-                if size == 0:
-                    trailer_end = buffer.find(b"\r\n\r\n", line_end)
-                    if trailer_end == line_end:
-                        del buffer[: line_end + 4]
-                        self._done = True
-                        return b"".join(pieces)
-                    if trailer_end >= 0:
-                        del buffer[: trailer_end + 4]
-                        self._done = True
-                        return b"".join(pieces)
-                elif len(buffer) >= line_end + 2 + size + 2:
-                    start = line_end + 2
-                    pieces.append(bytes(buffer[start : start + size]))
-                    del buffer[: start + size + 2]
-                    continue  # take every complete chunk already here
-            if pieces:
+            end = 0
+            while (chunk := _next_chunk(buffer, end)) is not None:  # every complete chunk already here
+                start, stop, end = chunk
+                if start == stop:
+                    self._done = True
+                    break
+                pieces.append(bytes(buffer[start:stop]))
+            del buffer[:end]
+            if pieces or self._done:
                 return b"".join(pieces)
             await conn.wait_data(self._wait_budget())
 
