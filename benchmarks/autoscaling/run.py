@@ -63,7 +63,7 @@ from splitserve.api.spec import InferenceDeploymentSpec  # noqa: E402
 from splitserve.autoscaling.decision import AutoscalerState  # noqa: E402
 from splitserve.io.prometheus import PrometheusClient, PrometheusUnavailable  # noqa: E402
 from splitserve.io.signals import evaluate  # noqa: E402
-from splitserve.local.procs import cpu_seconds  # noqa: E402
+from splitserve.local.procs import busy_ticks, cpu_seconds  # noqa: E402
 from splitserve.router.discovery import UpdateCallback  # noqa: E402
 from splitserve.sim import Role, SimConfig  # noqa: E402
 from splitserve.sim.server import SimFleet, run_event_loop  # noqa: E402
@@ -322,13 +322,6 @@ class Child:
             except TimeoutError:
                 self.process.kill()
                 await self.process.wait()
-
-
-def machine_busy_ticks() -> tuple[int, int]:
-    """(busy, total) CPU ticks of the whole machine since boot, from /proc/stat."""
-    values = [int(v) for v in Path("/proc/stat").read_text().splitlines()[0].split()[1:]]
-    idle = values[3] + values[4]  # idle + iowait
-    return sum(values) - idle, sum(values)
 
 
 # --------------------------------------------------------------------------- the cluster stand-in
@@ -637,7 +630,7 @@ async def run_trace(
     if cluster.prometheus.process is not None:
         pids["prometheus"] = cluster.prometheus.process.pid
     cpu_start = {name: cpu_seconds([pid]) for name, pid in pids.items()}
-    busy_start = machine_busy_ticks()
+    busy_start = busy_ticks()
     begin = time.monotonic()
     router_url = cluster.router.info["url"]
 
@@ -681,11 +674,11 @@ async def run_trace(
                     cluster.scale(pool, desired[pool], now)
 
     async def sample() -> None:
-        previous_busy = machine_busy_ticks()
+        previous_busy = busy_ticks()
         while True:
             now = clock()
             await cluster.refresh(control, now)
-            busy = machine_busy_ticks()
+            busy = busy_ticks()
             row: dict[str, float] = {
                 "t": now,
                 "rate": rate_at(settings, now) if now < settings.duration_s else 0.0,
@@ -720,7 +713,7 @@ async def run_trace(
     for task in background:
         task.cancel()
     await asyncio.gather(*background, return_exceptions=True)
-    busy_end = machine_busy_ticks()
+    busy_end = busy_ticks()
     cores = os.cpu_count() or 1
     record.cpu = {
         "wall_s": round(wall, 1),

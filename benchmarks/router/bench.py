@@ -196,11 +196,16 @@ class Samples:
 
 
 async def measure(
-    url: str, pid: int | None, args: argparse.Namespace, body: dict[str, object], shared: bool, into: Samples
+    url: str,
+    pid: int | None,
+    args: argparse.Namespace,
+    body: dict[str, object],
+    loadgen: set[int] | None,
+    into: Samples,
 ) -> None:
+    """One run of every phase against ``url``; ``loadgen``: wrk's cores, None when it shares all of them."""
     await wait_ready(url, body)
     raw = json.dumps(body).encode()
-    loadgen = None if shared else _cpu_list(args.loadgen_cores)
     endpoint = url + "/v1/completions"
     # Warm-up (connection pools, caches), then the paced run: each of 8 connections waits 8/rate s
     # after an answer, so the rate is --rate less what the latency takes off (reported).
@@ -227,7 +232,7 @@ async def measure(
         into.wrk_share.append(run.cpu_share)
         into.cores_busy.append(run.cores_busy)
         into.errors += run.errors
-        if run.limited(cores_shared_with_target=shared):
+        if run.limited(cores_shared_with_target=loadgen is None):
             into.limited += 1
             print(f"  load generator at its limit (wrk {run.cpu_share:.0%} of a core, its cores "
                   f"{run.cores_busy:.0%} busy): this run says nothing about the router", file=sys.stderr)  # fmt: skip
@@ -255,6 +260,7 @@ async def _scenario(args: argparse.Namespace, scenario: str, shared: bool, proce
     every = ",".join(str(core) for core in sorted(args.all_cores))
     router_cores = every if shared else args.router_cores
     loadgen_cores = every if shared else args.loadgen_cores
+    wrk_cores = None if shared else _cpu_list(loadgen_cores)
     os.sched_setaffinity(0, _cpu_list(loadgen_cores))  # this process's client (TTFT) beside wrk
     base = free_port()
     while any(_port_busy(base + i) for i in range(4)):
@@ -298,12 +304,12 @@ async def _scenario(args: argparse.Namespace, scenario: str, shared: bool, proce
         for repeat in range(args.repeat):
             for name, command in targets:
                 if command is None:
-                    await measure(decode[0], None, args, body, shared, samples[name])
+                    await measure(decode[0], None, args, body, wrk_cores, samples[name])
                     continue
                 port = free_port()
                 router = start(command(port), core=router_cores, nice=args.nice)
                 try:
-                    await measure(f"http://127.0.0.1:{port}", router.pid, args, body, shared, samples[name])
+                    await measure(f"http://127.0.0.1:{port}", router.pid, args, body, wrk_cores, samples[name])
                 finally:
                     stop(router)
                 row = samples[name].row(scenario, name)
@@ -473,8 +479,8 @@ def main() -> None:
     over = sub.add_parser("overhead", parents=[common])
     over.add_argument("--rate", type=float, default=200.0)
     over.add_argument("--seconds", type=float, default=10.0)
-    over.add_argument("--warmup-seconds", type=float, default=2.0, help="open loop before each measurement")
-    over.add_argument("--repeat", type=int, default=1, help="interleaved runs of every target, pooled")
+    over.add_argument("--warmup-seconds", type=float, default=2.0, help="paced wrk run before each measurement")
+    over.add_argument("--repeat", type=int, default=1, help="interleaved runs of every target (medians)")
     over.add_argument("--concurrency", type=int, default=64)
     over.add_argument("--splitserve-policies", nargs="+", default=["round-robin"])
     over.add_argument("--scenarios", nargs="+", choices=sorted(SCENARIOS), default=["pinned", "shared"],

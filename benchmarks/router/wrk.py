@@ -23,6 +23,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from splitserve.local.procs import busy_ticks
+
 # wrk's Lua: the POST body and the pause come from the environment; done() prints one JSON line.
 _SCRIPT = """
 wrk.method = "POST"
@@ -75,19 +77,6 @@ def available() -> str | None:
     return shutil.which("wrk")
 
 
-def _busy_idle(cores: set[int]) -> tuple[int, int]:
-    busy = idle = 0
-    with open("/proc/stat") as handle:
-        for line in handle:
-            name, *fields = line.split()
-            if name.startswith("cpu") and name != "cpu" and int(name[3:]) in cores:
-                values = [int(v) for v in fields]
-                idle_now = values[3] + values[4]  # idle + iowait
-                busy += sum(values[:8]) - idle_now
-                idle += idle_now
-    return busy, idle
-
-
 async def run(
     url: str,
     body: bytes,
@@ -105,14 +94,14 @@ async def run(
         argv = ["taskset", "-c", ",".join(map(str, sorted(cores))), *argv]
     env = {**os.environ, "WRK_BODY": body.decode(), "WRK_DELAY_MS": f"{delay_ms:g}"}
     watched = cores if cores is not None else set(os.sched_getaffinity(0))
-    before = _busy_idle(watched)
+    before = busy_ticks(watched)
     returncode, output, cpu = await asyncio.to_thread(_run, argv, env)
-    after = _busy_idle(watched)
+    after = busy_ticks(watched)
     line = next((ln for ln in output.splitlines() if ln.startswith("WRK_RESULT ")), None)
     if returncode != 0 or line is None:
         raise RuntimeError(f"wrk failed ({returncode}): {output[-2000:]}")
     result = json.loads(line.removeprefix("WRK_RESULT "))
-    busy, idle = after[0] - before[0], after[1] - before[1]
+    busy, total = after[0] - before[0], after[1] - before[1]
     errors = sum(result[key] for key in ("connect", "read", "write", "status", "timeout"))
     return WrkRun(
         requests=result["requests"],
@@ -123,7 +112,7 @@ async def run(
         p99_ms=result["p99_us"] / 1e3,
         max_ms=result["max_us"] / 1e3,
         cpu_seconds=cpu,
-        cores_busy=busy / max(1, busy + idle),
+        cores_busy=busy / max(1, total),
     )
 
 

@@ -77,6 +77,20 @@ def cpu_seconds(pids: Iterable[int]) -> float:
     return ticks / os.sysconf("SC_CLK_TCK")
 
 
+def busy_ticks(cores: Iterable[int] | None = None) -> tuple[int, int]:
+    """(busy, total) CPU ticks since boot of ``cores`` (None: the whole machine), from /proc/stat.
+    Idle and iowait are the idle part; guest time is already inside user and nice, so not added again."""
+    wanted = None if cores is None else {f"cpu{core}" for core in cores}
+    busy = total = 0
+    for line in (PROC / "stat").read_text().splitlines():
+        name, *fields = line.split()
+        if name == "cpu" if wanted is None else name in wanted:
+            values = [int(v) for v in fields[:8]]
+            total += sum(values)
+            busy += sum(values) - values[3] - values[4]
+    return busy, total
+
+
 def tree_cpu_seconds(root: int) -> float:
     """CPU seconds so far of root and every live process below it (all their threads): a server that
     forks workers, or a process that spawns an engine, counted whole."""
