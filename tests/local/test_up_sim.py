@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 import re
 import signal
 import time
@@ -14,6 +13,7 @@ import pytest
 from splitserve.local.ports import is_port_free
 from splitserve.local.procs import is_alive
 from testkit.upctl import ENDPOINT_LINE, REPO, start_up
+from tests.local.restart_checks import RESTART_LINE, kill_and_see_it_back, pids, wait_router_takes
 
 # Each test starts three Python processes; on a shared 2-core machine that takes seconds.
 pytestmark = pytest.mark.slow
@@ -72,18 +72,27 @@ def test_smoke_sends_one_request_and_exits(tmp_path: Path) -> None:
     assert _wait_gone(up.children() | {int(str(e["pid"])) for e in up.process_state()}, 5) == set()
 
 
-def test_a_worker_that_dies_while_serving_stops_everything(tmp_path: Path) -> None:
+def test_a_worker_and_the_router_killed_while_serving_are_restarted(tmp_path: Path) -> None:
     up = start_up("--engine", "sim", "-f", DISAGGREGATED, "--port", "0", run_dir=tmp_path)
     try:
-        up.wait_for_line(ENDPOINT_LINE, seconds=60)
-        state = {str(entry["name"]): int(str(entry["pid"])) for entry in up.process_state()}
-        os.kill(state["decode-0"], signal.SIGKILL)
-        assert up.popen.wait(timeout=30) == 1
+        endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=60).group(1)
+        decode_url = next(str(entry["url"]) for entry in up.process_state() if entry["name"] == "decode-0")
+        client = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=30)
+        for name in ("decode-0", "router"):
+            kill_and_see_it_back(up, name)
+            wait_router_takes(endpoint.removesuffix("/v1"), decode_url)
+            completion = client.completions.create(model="tiny-llama", prompt="Hello, my name is", max_tokens=8)
+            assert completion.usage is not None and completion.usage.completion_tokens == 8
+        assert up.popen.poll() is None, "`up` serves on"
+        running = set(pids(up).values())
+
+        up.popen.send_signal(signal.SIGTERM)
+        assert up.popen.wait(timeout=30) == 0
     finally:
         if up.popen.poll() is None:
             up.popen.kill()
-    assert "decode-0 exited with code -9" in up.stderr()
-    assert _wait_gone(set(state.values()), 5) == set()
+    assert _wait_gone(running, 5) == set()
+    assert sum(bool(RESTART_LINE.search(line)) for line in up.lines) == 2, "no restart while stopping"
 
 
 def test_exit_after_stops_by_itself(tmp_path: Path) -> None:

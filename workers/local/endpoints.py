@@ -7,7 +7,10 @@ joins, starts terminating or leaves; the router polls it:
     {"pools": {"prefill": [{"url": "http://127.0.0.1:8101", "generation": "aaaaaaaaaa", "state": "ready"}],
                "decode":  [{"url": "http://127.0.0.1:8201", "generation": "aaaaaaaaaa", "state": "terminating"}]}}
 
-Each write is a full snapshot, so whatever version the router reads is consistent. What the router
+Each write is a full snapshot, so whatever version the router reads is consistent. A worker that died
+and is being restarted (restarts.py) is not ready: `up` keeps it in memory but leaves it out of the
+file, as an EndpointSlice endpoint whose readiness probe fails is no longer ready, and writes it back
+once it answers again. What the router
 made of it comes back from `GET /splitserve/workers` (per pool: url, generation, state
 healthy|ejected|terminating|departing, inflight), which is how a rollout knows that the router took
 the new workers and that nothing is left in flight on the old ones.
@@ -29,6 +32,7 @@ from splitserve.local.plan import ProcessSpec
 POOLS = ("prefill", "decode")
 READY = "ready"
 TERMINATING = "terminating"
+NOT_READY = "not-ready"  # known to `up`, not written to the file (the router has no such state)
 
 
 @dataclass(frozen=True)
@@ -61,6 +65,24 @@ class EndpointsFile:
             self._endpoints[url] = Endpoint(endpoint.pool, url, endpoint.generation, TERMINATING)
         self.write()
 
+    def mark_not_ready(self, urls: Iterable[str]) -> None:
+        """Ready workers that died: out of the file until mark_ready (terminating ones stay as they are)."""
+        self._set_state(urls, READY, NOT_READY)
+
+    def mark_ready(self, urls: Iterable[str]) -> None:
+        """Not-ready workers that answer again: back in the file as ready."""
+        self._set_state(urls, NOT_READY, READY)
+
+    def _set_state(self, urls: Iterable[str], before: str, after: str) -> None:
+        changed = False
+        for url in urls:
+            endpoint = self._endpoints.get(url)
+            if endpoint is not None and endpoint.state == before:
+                self._endpoints[url] = Endpoint(endpoint.pool, url, endpoint.generation, after)
+                changed = True
+        if changed:
+            self.write()
+
     def remove(self, urls: Iterable[str]) -> None:
         for url in urls:
             self._endpoints.pop(url, None)
@@ -69,6 +91,8 @@ class EndpointsFile:
     def document(self) -> dict[str, Any]:
         pools: dict[str, list[dict[str, str]]] = {pool: [] for pool in POOLS}
         for endpoint in sorted(self._endpoints.values(), key=lambda e: e.url):
+            if endpoint.state == NOT_READY:
+                continue
             entry = {"url": endpoint.url, "generation": endpoint.generation, "state": endpoint.state}
             pools[endpoint.pool].append(entry)
         return {"pools": pools}

@@ -9,7 +9,9 @@ A new KV generation rolls out make-before-break, each step waiting for the one b
    keeps its decode slot until it ends, and its prefill's KV has been pulled by then);
 5. they leave the file, then get SIGTERM (their own drain) and are gone.
 A worker of the new generation that fails to start (or is not ready in time) stops the rollout:
-the new workers stop, the old ones never left the file, and they keep serving.
+the new workers stop, the old ones never left the file, and they keep serving. A serving process
+that dies meanwhile is restarted (restarts.py, through the supervisor's on_wait); a draining one is
+not.
 
 The same generation with other replica counts changes in place: added workers join the file once
 ready; removed ones (the newest of their role) drain as in steps 3-5.
@@ -34,14 +36,6 @@ POLL_SECONDS = 0.1
 # How long the router may take to list workers just written to the endpoints file (it polls the file
 # every 0.2 s; more means it does not follow the file at all).
 TAKE_UP_SECONDS = 30.0
-
-
-class ServingDied(Exception):
-    """A serving process (the router or a worker in use) exited while the stack was changing."""
-
-    def __init__(self, process: RunningProcess) -> None:
-        super().__init__(f"{process.name} exited with code {process.popen.returncode} (log: {process.log_path})")
-        self.process = process
 
 
 @dataclass(frozen=True)
@@ -83,6 +77,8 @@ class Fleet:
         self.startup_timeout = startup_timeout
         self.on_started = on_started
         self.workers: list[RunningProcess] = []
+        # Workers being drained (terminating, then stopped): not restarted if they die meanwhile.
+        self.leaving: list[RunningProcess] = []
         self.router: RunningProcess | None = None
         self._next_index: dict[str, int] = {}
         self._http = httpx.Client(timeout=httpx.Timeout(2.0, connect=0.5))
@@ -131,16 +127,14 @@ class Fleet:
     def serving(self) -> list[RunningProcess]:
         return [*self.workers, *([self.router] if self.router is not None else [])]
 
-    def exited(self) -> RunningProcess | None:
-        """A serving process that is no longer running, if any."""
-        return next((process for process in self.serving() if process.popen.poll() is not None), None)
+    def restartable(self) -> list[RunningProcess]:
+        """The serving processes to restart when they die: all but the workers being drained."""
+        return [process for process in self.serving() if process not in self.leaving]
 
     def _check(self) -> None:
         if self.supervisor.stop_reason is not None:
             raise StopRequested(self.supervisor.stop_reason)
-        died = self.exited()
-        if died is not None:
-            raise ServingDied(died)
+        self.supervisor.waiting()
 
     def _wait_router(self, condition: Callable[[RouterWorkers], bool], seconds: float) -> RouterWorkers | None:
         """Poll the router's /splitserve/workers until `condition` holds; None when time ran out."""
@@ -238,6 +232,7 @@ class Fleet:
             return
         assert self.router_deployment is not None
         urls = [worker.spec.base_url for worker in workers]
+        self.leaving = list(workers)
         self.endpoints.mark_terminating(urls)
         self.progress.say(f"{what} terminating: {_names(workers)}; waiting for their requests to finish")
         # A request may take the router's whole request timeout; it is not cut short.
@@ -249,6 +244,7 @@ class Fleet:
         self.endpoints.remove(urls)
         self.progress.say(f"{what} drained: {_names(workers)}")
         self.workers = [worker for worker in self.workers if worker not in workers]
+        self.leaving = []
         self.supervisor.stop(workers)
 
     def _failed(self, message: str, tail: str) -> Outcome:

@@ -4,7 +4,8 @@ While serving, the stack takes new versions of its deployment: edits of its file
 half second) and files handed over by `splitserve up --apply FILE` (control.py). Each is validated
 (an invalid one is reported and the stack keeps serving what it serves) and applied one at a time,
 in the order they came: a new KV generation rolls out make-before-break, the same generation changes
-replica counts in place (rollout.py, changes.py).
+replica counts in place (rollout.py, changes.py). A process that dies while the stack serves is
+started again, with a crash-loop back-off (restarts.py); only a stop request ends the stack.
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ from splitserve.local.plan import (
 from splitserve.local.ports import LOOPBACK, PortAllocator
 from splitserve.local.prometheus import INSTALL_HINT, LocalPrometheus, find_binary, scrape_groups
 from splitserve.local.requestlog import RequestLogFollower
-from splitserve.local.rollout import Fleet, Generation, Outcome, ServingDied
+from splitserve.local.restarts import Restarter
+from splitserve.local.rollout import Fleet, Generation, Outcome
 from splitserve.local.smoke import example_commands, send_smoke_request
 from splitserve.local.supervisor import (
     POLL_SECONDS,
@@ -109,7 +111,16 @@ class LocalStack:
         self._follower: RequestLogFollower | None = None
         self._spec_files = 0
         self.prometheus: LocalPrometheus | None = None
-        self._prometheus_process: RunningProcess | None = None
+        # Long-running processes besides the fleet's workers and router (Prometheus): restarted too.
+        self._others: list[RunningProcess] = []
+        self.restarter = Restarter(
+            self.supervisor,
+            progress,
+            watched=lambda: [*self.fleet.restartable(), *self._others],
+            on_exit=self._on_exit,
+            on_ready=self._on_ready,
+        )
+        self.supervisor.on_wait = self.restarter.tick
 
     @property
     def endpoint(self) -> str:
@@ -140,6 +151,7 @@ class LocalStack:
                     self._follower.stop()
                 if control is not None:
                     control.close()
+                self.restarter.close()
                 self.fleet.close()
                 self.supervisor.stop_all()
 
@@ -262,7 +274,7 @@ class LocalStack:
             self.supervisor.stop([process])
             self.prometheus = None
             return
-        self._prometheus_process = process
+        self._others.append(process)
 
     def _update_targets(self) -> None:
         """The scrape targets follow the serving processes (called at start, after changes, every look)."""
@@ -316,42 +328,31 @@ class LocalStack:
     def _serve(self, control: ControlChannel) -> int:
         deadline = None if self.options.exit_after is None else time.monotonic() + self.options.exit_after
         next_look = time.monotonic() + self.options.watch_seconds
+        self.restarter.active = True  # from here on, a process that dies is restarted, not fatal
         while self.supervisor.stop_reason is None:
-            died = self.fleet.exited()
-            if died is not None:
-                return self._died(died)
+            self.restarter.tick()
             if deadline is not None and time.monotonic() >= deadline:
                 self.supervisor.stop_reason = "time limit"
                 break
             if time.monotonic() >= next_look:
                 try:
                     self._take_changes(control)
-                except ServingDied as error:
-                    return self._died(error.process)
                 except StopRequested:
                     break
                 self._update_targets()
-                self._check_prometheus()
                 next_look = time.monotonic() + self.options.watch_seconds
             time.sleep(POLL_SECONDS)
         self.progress.say(f"{self.supervisor.stop_reason}: stopping")
         return 0
 
-    def _check_prometheus(self) -> None:
-        """A Prometheus that dies is reported once; the stack keeps serving (it is an observer)."""
-        process = self._prometheus_process
-        if process is not None and process.popen.poll() is not None:
-            self.progress.say(
-                f"warning: prometheus exited with code {process.popen.returncode} (log: {process.log_path}); "
-                "serving without it"
-            )
-            self._prometheus_process = None
+    def _on_exit(self, process: RunningProcess) -> None:
+        """A worker that died is not ready: the router gets nothing for it until it answers again."""
+        if process in self.fleet.workers:
+            self.endpoints.mark_not_ready([process.spec.base_url])
 
-    def _died(self, died: RunningProcess) -> int:
-        self._fail(
-            f"{died.name} exited with code {died.popen.returncode} (log: {died.log_path})", log_tail(died.log_path)
-        )
-        return 1
+    def _on_ready(self, process: RunningProcess) -> None:
+        if process in self.fleet.workers:
+            self.endpoints.mark_ready([process.spec.base_url])
 
     def _take_changes(self, control: ControlChannel) -> None:
         """Apply what came since the last look, oldest first: edits of the file, `--apply` requests."""

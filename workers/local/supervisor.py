@@ -3,7 +3,8 @@
 Every child runs in its own session (so its own process group): vLLM's engine-core subprocesses
 land in the same group as their API server, and stopping a group stops them all. Ctrl-C in a
 terminal reaches only `up`, which then stops the children in order (router first, so no new
-request reaches a worker that is going away).
+request reaches a worker that is going away). A child that exits while the stack serves is started
+again from the same spec by restarts.py, through `respawn`.
 """
 
 from __future__ import annotations
@@ -59,7 +60,8 @@ class RunningProcess:
     spec: ProcessSpec
     popen: subprocess.Popen[bytes]
     log_path: Path
-    started_at: float
+    started_at: float  # Progress.elapsed() at the (latest) start
+    restarts: int = 0  # how often `respawn` started it again
 
     @property
     def pid(self) -> int:
@@ -112,6 +114,9 @@ class Supervisor:
         self._one_shot: set[str] = set()
         self.stop_reason: str | None = None
         self._hurry = False
+        # Called on every poll of a wait (readiness, a rollout's router checks): what must go on while
+        # `up` waits, such as restarting a process that died (restarts.py).
+        self.on_wait: Callable[[], None] | None = None
 
     # ------------------------------------------------------------------ signals
 
@@ -136,10 +141,9 @@ class Supervisor:
 
     def start(self, spec: ProcessSpec, *, one_shot: bool = False) -> RunningProcess:
         log_path = self.run_dir / f"{spec.name}.log"
-        env = {**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"}
         with log_path.open("ab") as log:
             try:
-                popen = self._spawn(spec, log, env)
+                popen = self._spawn(spec, log)
             except OSError as error:
                 raise StartupError(f"cannot start {spec.name} ({spec.argv[0]}): {error.strerror or error}") from error
         process = RunningProcess(spec=spec, popen=popen, log_path=log_path, started_at=self.progress.elapsed())
@@ -151,14 +155,39 @@ class Supervisor:
         self.progress.say(f"starting {spec.name}{where} (pid {popen.pid}, log {log_path.name})")
         return process
 
+    def respawn(self, process: RunningProcess) -> None:
+        """Start a process that exited again, in place: the same spec (ports, arguments), its log
+        appended to, a new pid. What was left of its process group is killed first, as a kubelet
+        ends a container before its restart. OSError when it cannot be started."""
+        if process.popen.poll() is None:
+            raise RuntimeError(f"{process.name} (pid {process.pid}) is still running")
+        self._kill_group(process.pid)
+        with process.log_path.open("ab") as log:
+            log.write(f"---- splitserve up: restart {process.restarts + 1} of {process.name} ----\n".encode())
+            log.flush()
+            process.popen = self._spawn(process.spec, log)
+        process.started_at = self.progress.elapsed()
+        process.restarts += 1
+        self._write_state()
+
     @staticmethod
-    def _spawn(spec: ProcessSpec, log: BinaryIO, env: dict[str, str]) -> subprocess.Popen[bytes]:
+    def _kill_group(pgid: int, seconds: float = 2.0) -> None:
+        """SIGKILL what is left of a process group (an engine core whose API server died), briefly
+        waiting for it to go so that it no longer holds the ports the restarted process needs."""
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(pgid, signal.SIGKILL)
+        deadline = time.monotonic() + seconds
+        while group_members(pgid) and time.monotonic() < deadline:
+            time.sleep(0.05)
+
+    @staticmethod
+    def _spawn(spec: ProcessSpec, log: BinaryIO) -> subprocess.Popen[bytes]:
         return subprocess.Popen(
             spec.argv,
             stdin=subprocess.DEVNULL,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=env,
+            env={**os.environ, **spec.env, "PYTHONUNBUFFERED": "1"},
             start_new_session=True,
             preexec_fn=_die_with_parent if sys.platform == "linux" else None,
         )
@@ -175,6 +204,7 @@ class Supervisor:
                 "argv": list(process.spec.argv),
                 **({"role": process.spec.role} if process.spec.role else {}),
                 **({"generation": process.spec.generation} if process.spec.generation else {}),
+                **({"restarts": process.restarts} if process.restarts else {}),
             }
             for process in self.processes
         ]
@@ -218,6 +248,7 @@ class Supervisor:
                         log_tail(pending[0].log_path),
                     )
                 if pending:
+                    self.waiting()
                     time.sleep(POLL_SECONDS)
 
     def _note_still_starting(self, process: RunningProcess, noted: dict[str, tuple[str, float]]) -> None:
@@ -235,6 +266,11 @@ class Supervisor:
             return client.get(url).status_code == 200
         except httpx.HTTPError:
             return False
+
+    def waiting(self) -> None:
+        """One poll of a wait: run on_wait, if set."""
+        if self.on_wait is not None:
+            self.on_wait()
 
     def memory_bytes(self) -> int:
         """Resident memory of everything this supervisor runs now."""
