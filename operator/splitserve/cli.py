@@ -24,6 +24,8 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "tiny-model": ("splitserve.engine.tiny_model_cli", "build a tiny random-weight Llama model offline"),
     "sim-worker": ("splitserve.sim.cli", "run an engine simulator that speaks vLLM's HTTP API"),
     "router": ("splitserve.router.cli", "run the KV-transfer router (OpenAI-compatible endpoint)"),
+    "epp": ("splitserve.gateway.epp", "run the Gateway API Inference Extension endpoint picker (Envoy ext_proc)"),
+    "sidecar": ("splitserve.gateway.sidecar", "run the decode-side P/D proxy a gateway's picker steers"),
     "up": ("splitserve.local.cli", "run an InferenceDeployment locally as processes"),
     "diagnose": ("splitserve.commands.diagnose", "answer the six-question diagnosis for a deployment"),
 }

@@ -40,6 +40,14 @@ log = logging.getLogger(__name__)
 request_log = logging.getLogger("splitserve.router.requests")
 
 _FORWARDED_HEADERS = (("authorization", "Authorization"),)
+# llm-d's header, set by an endpoint picker: the prefill pod (host:port) a decode-side sidecar should use.
+PREFILLER_HEADER = "x-prefiller-host-port"
+
+
+def _prefill_pin(headers: Mapping[str, str]) -> str | None:
+    """The prefill worker URL an endpoint picker named (the first, if it listed several)."""
+    value = headers.get(PREFILLER_HEADER, "").split(",", 1)[0].strip()
+    return f"http://{value}" if value else None
 
 
 def _request_record(
@@ -282,6 +290,42 @@ class Router:
     def chat_completions(self, request: Request) -> Coroutine[None, None, None]:
         return self._generate(request, chat=True)
 
+    async def admit(
+        self, raw: bytes, path: str, chat: bool, client_headers: Mapping[str, str], started: float
+    ) -> RequestContext:
+        """A generation request checked and measured for routing: the context the flow (or the
+        endpoint picker) works on. RouterError (OpenAI-style 4xx) when the request is wrong.
+        ``client_headers`` have lower-case names."""
+        try:
+            parsed = orjson.loads(raw)
+        except orjson.JSONDecodeError as error:
+            raise errors.bad_request(f"Request body is not valid JSON: {error}", code="invalid_json") from None
+        body = validate_body(parsed, chat)
+        if self.config.model is not None and body["model"] != self.config.model:
+            raise errors.model_not_found(body["model"])
+        shape = self.measurer.measure(body)
+        token_ids = shape.token_ids
+        if self.engine_tokens is not None and not token_ids:
+            token_ids = await self.engine_tokens.token_ids(body)
+        self.metrics.prompt_tokens.observe(shape.tokens)
+        headers = {name: client_headers[key] for key, name in _FORWARDED_HEADERS if key in client_headers}
+        return RequestContext(
+            path=path,
+            body=body,
+            raw_body=raw,
+            stream=body.get("stream") is True,
+            request_id=client_headers.get("x-request-id") or self._new_request_id(),
+            routing=RoutingRequest(
+                shape.tokens,
+                shape.block_hashes,
+                token_ids=token_ids,
+                cache_salt=_cache_salt(body),
+            ),
+            started=started,
+            forward_headers=headers,
+            prefill_pin=_prefill_pin(client_headers) if self.config.prefill_from_header else None,
+        )
+
     async def _generate(self, request: Request, chat: bool) -> None:
         started = time.monotonic()
         ctx: RequestContext | None = None
@@ -293,36 +337,7 @@ class Router:
             if self.draining:
                 outcome = Outcome.REJECTED
                 raise errors.draining()
-            raw = request.body
-            try:
-                parsed = orjson.loads(raw)
-            except orjson.JSONDecodeError as error:
-                raise errors.bad_request(f"Request body is not valid JSON: {error}", code="invalid_json") from None
-            body = validate_body(parsed, chat)
-            if self.config.model is not None and body["model"] != self.config.model:
-                raise errors.model_not_found(body["model"])
-            shape = self.measurer.measure(body)
-            token_ids = shape.token_ids
-            if self.engine_tokens is not None and not token_ids:
-                token_ids = await self.engine_tokens.token_ids(body)
-            self.metrics.prompt_tokens.observe(shape.tokens)
-            client_headers = request.headers
-            headers = {name: client_headers[key] for key, name in _FORWARDED_HEADERS if key in client_headers}
-            ctx = RequestContext(
-                path=request.path,
-                body=body,
-                raw_body=raw,
-                stream=body.get("stream") is True,
-                request_id=client_headers.get("x-request-id") or self._new_request_id(),
-                routing=RoutingRequest(
-                    shape.tokens,
-                    shape.block_hashes,
-                    token_ids=token_ids,
-                    cache_salt=_cache_salt(body),
-                ),
-                started=started,
-                forward_headers=headers,
-            )
+            ctx = await self.admit(request.body, request.path, chat, request.headers, started)
             await self.flow.serve(ctx, request)
             outcome, handling, status = ctx.outcome, ctx.handling, request.status
         except errors.RouterError as error:

@@ -9,15 +9,19 @@ import logging
 import signal
 import sys
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from splitserve.router.config import DiscoveryKind, GenerationPairing, RouterConfig
 from splitserve.router.policies import PolicyName
 from splitserve.router.processes import usable_cores
 
+if TYPE_CHECKING:
+    from splitserve.router.app import Router
+
 log = logging.getLogger("splitserve.router")
 
 
-def _urls(text: str) -> tuple[str, ...]:
+def urls(text: str) -> tuple[str, ...]:
     urls = tuple(u.strip().rstrip("/") for u in text.split(",") if u.strip())
     for url in urls:
         if not url.startswith("http://"):
@@ -26,11 +30,19 @@ def _urls(text: str) -> tuple[str, ...]:
     return urls
 
 
+def worker_override(text: str) -> tuple[str, str]:
+    """``WORKER_URL=VALUE``: a per-worker setting (the worker URL as discovery names it)."""
+    url, sep, value = text.partition("=")
+    if not sep or not url.startswith("http://") or not value:
+        raise argparse.ArgumentTypeError(f"expected WORKER_URL=VALUE with an http:// worker URL, got {text!r}")
+    return url.rstrip("/"), value
+
+
 def _endpoint_override(text: str) -> tuple[str, str]:
-    url, sep, endpoint = text.partition("=")
-    if not sep or not url.startswith("http://") or "://" not in endpoint:
+    url, endpoint = worker_override(text)
+    if "://" not in endpoint:
         raise argparse.ArgumentTypeError(f"expected WORKER_URL=tcp://HOST:PORT, got {text!r}")
-    return url.rstrip("/"), endpoint
+    return url, endpoint
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -39,8 +51,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--host", default="0.0.0.0")
     add("--port", type=int, default=8000)
     add("--model", default=None, help="served model name clients must use (default: accept any)")
-    add("--prefill", type=_urls, default=(), help="static prefill worker URLs, comma-separated")
-    add("--decode", type=_urls, default=(), help="static decode worker URLs, comma-separated")
+    add("--prefill", type=urls, default=(), help="static prefill worker URLs, comma-separated")
+    add("--decode", type=urls, default=(), help="static decode worker URLs, comma-separated")
     add("--discovery", choices=[d.value for d in DiscoveryKind], default=None,
         help="static (default with --decode), dns, kubernetes (EndpointSlices), file (--endpoints-file), "
              "or pods (--deployment; knows each worker's KV generation)")  # fmt: skip
@@ -168,11 +180,13 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
     )
 
 
-async def serve(config: RouterConfig, stop: asyncio.Event | None = None, reuse_port: bool = False) -> None:
+async def serve(
+    config: RouterConfig, stop: asyncio.Event | None = None, reuse_port: bool = False, router: Router | None = None
+) -> None:
     """Serve until ``stop`` is set (or SIGTERM/SIGINT), then stop accepting, drain and exit."""
     from splitserve.router.app import Router, RouterServer
 
-    server = RouterServer(Router(config))
+    server = RouterServer(router or Router(config))
     await server.start(config.host, config.port, reuse_port=reuse_port)
     # What is loaded by now lives as long as the process. Frozen, the cyclic collector stops scanning it:
     # a full collection of those ~35k objects stalled the loop ~20 ms, a p99 spike every few seconds.
@@ -191,7 +205,7 @@ async def serve(config: RouterConfig, stop: asyncio.Event | None = None, reuse_p
         log.warning("drain period over with %d requests still in flight", server.router.active_requests)
 
 
-def _startup_problem(config: RouterConfig) -> str | None:
+def startup_problem(config: RouterConfig) -> str | None:
     """What in the environment stops the router from starting (service account, kubeconfig,
     tokenizer), found before serving so the user gets one line instead of a traceback."""
     from splitserve.router.app import make_discovery
@@ -209,7 +223,7 @@ def _startup_problem(config: RouterConfig) -> str | None:
     return None
 
 
-def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     try:
         import uvloop
     except ImportError:
@@ -227,7 +241,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as error:
         print(f"splitserve router: error: {error}", file=sys.stderr)
         return 2
-    problem = _startup_problem(config)
+    problem = startup_problem(config)
     if problem:
         print(f"splitserve router: error: {problem}", file=sys.stderr)
         return 1
@@ -240,7 +254,7 @@ def run(args: argparse.Namespace) -> int:
 
         return run_processes(config, args)
     try:
-        with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
             runner.run(serve(config))
     except OSError as error:
         print(f"splitserve router: error: {error}", file=sys.stderr)

@@ -50,6 +50,9 @@ class RouterConfig:
     # are counted aggregated rather than as fallbacks from a missing prefill pool.
     prefill_pool: bool = True
     generation_pairing: GenerationPairing = GenerationPairing.STRICT
+    # A gateway's decode-side sidecar: split a request only when the endpoint picker named its prefill
+    # worker (x-prefiller-host-port), on that worker; otherwise serve it on the local decode worker.
+    prefill_from_header: bool = False
 
     prefill_policy: str = "round-robin"
     decode_policy: str = "least-loaded"

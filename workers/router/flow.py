@@ -19,6 +19,7 @@ import enum
 import logging
 import time
 from collections.abc import Callable
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -84,6 +85,9 @@ class RequestContext:
     routing: RoutingRequest
     started: float
     forward_headers: dict[str, str] = field(default_factory=dict)
+    # The prefill worker (URL) an endpoint picker chose for this request (x-prefiller-host-port), when
+    # the router is a gateway's decode-side sidecar: split on it, or recompute locally when it cannot.
+    prefill_pin: str | None = None
     handling: Handling = Handling.NONE
     outcome: Outcome = Outcome.SUCCESS
     # For the per-request log record.
@@ -160,34 +164,73 @@ class Flow:
         self._decode = decode
         self._has_prefill_pool = config.has_prefill_source
         self._strict = config.generation_pairing is GenerationPairing.STRICT
+        # A sidecar splits exactly the requests its endpoint picker named a prefill worker for.
+        self._split_by_pin = config.prefill_from_header
 
     # ---- the whole request ------------------------------------------------------------------
 
     def _shift(self) -> pairing.Generations:
         return pairing.decode_generations(self._prefill.healthy_generations, self._decode.healthy_generations)
 
-    def _wants_prefill(self, ctx: RequestContext) -> bool:
+    def wants_split(self, ctx: RequestContext) -> bool:
+        """Whether ``ctx`` should be split into prefill and decode legs (conditional disaggregation)."""
+        if self._split_by_pin:
+            return ctx.prefill_pin is not None
         return self._has_prefill_pool and ctx.routing.prompt_tokens >= self._config.disagg_threshold_tokens
 
-    async def serve(self, ctx: RequestContext, http_request: Request) -> None:
-        """Serve ``ctx`` and answer ``http_request``; RouterError when nothing could be sent."""
+    async def acquire_decode(self, ctx: RequestContext, only: AbstractSet[str] | None = None) -> Worker:
+        """A decode slot for ``ctx`` (among ``only`` URLs when given); its generation becomes the request's."""
         deadline = time.monotonic() + self._config.queue_timeout
         # Traffic shift: a request that will be split goes to a generation that has prefill workers
         # (asked again whenever the request waited, as the pools change under it).
-        shift = self._shift if self._strict and self._wants_prefill(ctx) else None
+        shift = self._shift if self._strict and self.wants_split(ctx) else None
         waiting_since = time.monotonic()
         try:
-            decode: Worker | None = await self._decode.acquire(ctx.routing, deadline, generations=shift)
+            decode = await self._decode.acquire(ctx.routing, deadline, generations=shift, only=only)
         except errors.RouterError as error:
             ctx.outcome = Outcome.REJECTED if error.status == 429 else Outcome.NO_CAPACITY
             raise
         self._metrics.queue_wait.labels("decode").observe(time.monotonic() - waiting_since)
-        assert decode is not None
         ctx.generation = decode.generation
+        return decode
+
+    async def acquire_prefill(self, ctx: RequestContext, tried: AbstractSet[str] = frozenset()) -> Worker | str:
+        """A prefill slot of the request's generation (``ctx.generation``, the decode worker's), or the
+        fallback reason why the request should be served aggregated instead."""
+        same = pairing.prefill_generations(ctx.generation, self._config.generation_pairing)
+        only: frozenset[str] | None = None
+        if ctx.prefill_pin is not None:
+            named = self._prefill.find(ctx.prefill_pin)
+            if named is None:
+                return "prefill_unknown_endpoint"
+            if same is not None and named.generation not in same:
+                # Its KV would be decoded as if it fitted these weights: recompute instead.
+                return "prefill_other_generation"
+            if named not in self._prefill.healthy:
+                return "prefill_unavailable"
+            only = frozenset((named.url,))
+        if not self._prefill.has_healthy:
+            return "prefill_unavailable"
+        if not self._prefill.has_healthy_in(same):
+            return "no_prefill_in_generation"
+        waiting_since = time.monotonic()
+        try:
+            worker = await self._prefill.acquire(
+                ctx.routing, waiting_since + self._config.queue_timeout, frozenset(tried), same, only
+            )
+        except errors.RouterError:
+            gone = self._prefill.has_healthy and not self._prefill.has_healthy_in(same)
+            return "no_prefill_in_generation" if gone else "prefill_unavailable"
+        self._metrics.queue_wait.labels("prefill").observe(time.monotonic() - waiting_since)
+        return worker
+
+    async def serve(self, ctx: RequestContext, http_request: Request) -> None:
+        """Serve ``ctx`` and answer ``http_request``; RouterError when nothing could be sent."""
+        decode: Worker | None = await self.acquire_decode(ctx)
         tried: set[str] = set()
         try:
             try:
-                kv_params = await self._maybe_prefill(ctx, decode.generation)
+                kv_params = await self._maybe_prefill(ctx)
             except _PassThrough as answer:
                 _respond_passthrough(http_request, answer.status, answer.body, ctx.request_id, ctx.generation)
                 return
@@ -252,29 +295,21 @@ class Flow:
 
     # ---- prefill ----------------------------------------------------------------------------
 
-    async def _maybe_prefill(self, ctx: RequestContext, generation: str) -> dict[str, Any] | None:
+    async def _maybe_prefill(self, ctx: RequestContext) -> dict[str, Any] | None:
         """kv_transfer_params for decode, or None to serve aggregated (ctx.handling says why).
-        ``generation`` is the decode worker's: prefill runs on a worker of the same one."""
-        if not self._wants_prefill(ctx):
+        Prefill runs on a worker of the decode worker's generation (``ctx.generation``)."""
+        if not self.wants_split(ctx):
             ctx.handling = Handling.AGGREGATED
             return None
-        same = pairing.prefill_generations(generation, self._config.generation_pairing)
+        same = pairing.prefill_generations(ctx.generation, self._config.generation_pairing)
         tried: set[str] = set()
-        attempts = min(1 + self._config.max_retries, 2)
+        # A prefill worker named by the endpoint picker is the only one to try.
+        attempts = 1 if ctx.prefill_pin is not None else min(1 + self._config.max_retries, 2)
         for attempt in range(attempts):
-            deadline = time.monotonic() + self._config.queue_timeout
-            if not self._prefill.has_healthy:
-                return self._fallback(ctx, "prefill_unavailable")
-            if not self._prefill.has_healthy_in(same):
-                return self._fallback(ctx, "no_prefill_in_generation")
-            waiting_since = time.monotonic()
-            try:
-                worker = await self._prefill.acquire(ctx.routing, deadline, frozenset(tried), same)
-            except errors.RouterError:
-                gone = self._prefill.has_healthy and not self._prefill.has_healthy_in(same)
-                return self._fallback(ctx, "no_prefill_in_generation" if gone else "prefill_unavailable")
+            worker = await self.acquire_prefill(ctx, tried)
+            if isinstance(worker, str):
+                return self._fallback(ctx, worker)
             sent = time.monotonic()
-            self._metrics.queue_wait.labels("prefill").observe(sent - waiting_since)
             tried.add(worker.url)
             ctx.prefill_url = worker.url
             ctx.prefill_generation = worker.generation

@@ -275,11 +275,19 @@ class WorkerPool:
     # ---- slots ------------------------------------------------------------------------------
 
     def _try_acquire(
-        self, request: RoutingRequest, exclude: frozenset[str], generations: Generations = None
+        self,
+        request: RoutingRequest,
+        exclude: frozenset[str],
+        generations: Generations = None,
+        only: AbstractSet[str] | None = None,
     ) -> Worker | None:
         cap = self._cap
         candidates = [
-            w for w in self._routable if (cap <= 0 or w.inflight < cap) and _accepts(generations, w.generation)
+            w
+            for w in self._routable
+            if (cap <= 0 or w.inflight < cap)
+            and _accepts(generations, w.generation)
+            and (only is None or w.url in only)
         ]
         if not candidates:
             return None
@@ -299,9 +307,11 @@ class WorkerPool:
         deadline: float,
         exclude: frozenset[str] = frozenset(),
         generations: Generations | Callable[[], Generations] = None,
+        only: AbstractSet[str] | None = None,
     ) -> Worker:
         """A slot on a worker chosen by the policy among those of ``generations`` (None: any), waiting
-        until ``deadline`` (monotonic time).
+        until ``deadline`` (monotonic time). ``only`` limits the choice to those URLs (a gateway's subset
+        hint, a prefill pod named by the endpoint picker).
 
         ``generations`` may be a function, asked again after every wake-up: which generations fit can
         change while a request waits (a rollout moves on). A request limited to generations of which
@@ -312,7 +322,7 @@ class WorkerPool:
         # Waiters that could take the same workers go first; those limited to other generations do not
         # hold this request back.
         if not any(_overlap(g, wanted) for _, g in self._waiters):
-            worker = self._try_acquire(request, exclude, wanted)
+            worker = self._try_acquire(request, exclude, wanted, only)
             if worker is not None:
                 return worker
         self._give_up_if_gone(wanted, deadline)
@@ -341,7 +351,7 @@ class WorkerPool:
                     if entry in self._waiters:
                         self._waiters.remove(entry)
                 wanted = generations() if callable(generations) else generations
-                worker = self._try_acquire(request, exclude, wanted)
+                worker = self._try_acquire(request, exclude, wanted, only)
                 if worker is not None:
                     return worker
                 self._give_up_if_gone(wanted, deadline)
@@ -351,6 +361,16 @@ class WorkerPool:
     def _give_up_if_gone(self, wanted: Generations, deadline: float) -> None:
         if wanted is not None and self._routable and self._healthy_generations.isdisjoint(wanted):
             raise errors.no_capacity(self.name, max(0.0, deadline - time.monotonic()))
+
+    def find(self, url: str) -> Worker | None:
+        """The worker at ``url`` (current members only)."""
+        return self._workers.get(url)
+
+    def claim(self, worker: Worker) -> None:
+        """Count a request on ``worker`` that was placed there without ``acquire`` (a gateway that
+        served it on a fallback endpoint); ``release`` gives it back as usual."""
+        worker.inflight += 1
+        self.inflight += 1
 
     def release(self, worker: Worker) -> None:
         worker.inflight -= 1

@@ -70,14 +70,14 @@ def _port_is_free(host: str, port: int) -> str | None:
 def _child(config: RouterConfig, log_level: str) -> None:
     import asyncio
 
-    from splitserve.router.cli import _loop_factory, serve
+    from splitserve.router.cli import loop_factory, serve
 
     logging.basicConfig(
         level=log_level.upper(),
         format=f"%(asctime)s %(levelname)s %(name)s[{os.getpid()}]: %(message)s",
         stream=sys.stderr,
     )
-    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+    with asyncio.Runner(loop_factory=loop_factory()) as runner:
         runner.run(serve(config, reuse_port=True))
 
 
