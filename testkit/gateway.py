@@ -17,7 +17,7 @@ import signal
 import subprocess
 import tempfile
 import time
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,15 +179,17 @@ async def running_gateway(
     config: RouterConfig,
     *,
     discovery: Discovery | None = None,
-    sidecar_discovery: Discovery | None = None,
+    sidecar_discovery: Callable[[], Discovery] | None = None,
     generations: dict[str, str] | None = None,
+    healthy: int | None = None,
     sidecars: bool = True,
     fail_open: bool = False,
     subset_hint_header: bool = False,
 ) -> AsyncIterator[Gateway]:
     """Envoy in front of a picker built from ``config`` (its decode workers: ``config.decode_urls``
     unless ``discovery`` says otherwise) and, with ``sidecars``, one sidecar per decode worker that
-    finds prefill workers with ``sidecar_discovery`` (default: ``config.prefill_urls``)."""
+    finds prefill workers with a discovery from ``sidecar_discovery`` (default: ``config.prefill_urls``).
+    Yields once ``healthy`` decode workers (default: all) are healthy in the picker."""
     decode_urls = list(config.decode_urls)
     async with contextlib.AsyncExitStack() as stack:
         servers: dict[str, RouterServer] = {}
@@ -199,7 +201,7 @@ async def running_gateway(
                 running_sidecar(
                     url,
                     (generations or {}).get(url, ""),
-                    discovery=sidecar_discovery,
+                    discovery=sidecar_discovery() if sidecar_discovery else None,
                     prefill_urls=config.prefill_urls,
                     generation_pairing=config.generation_pairing,
                 )
@@ -214,7 +216,8 @@ async def running_gateway(
             running_envoy(picker.grpc_port, endpoints, fail_open=fail_open, subset_hint_header=subset_hint_header)
         )
         gateway = Gateway(envoy, picker, servers, {u: f"http://{t}" for u, t in targets.items()})
-        await wait_for(lambda: len(picker.router.decode.healthy) == len(decode_urls))
+        wanted = len(decode_urls) if healthy is None else healthy
+        await wait_for(lambda: len(picker.router.decode.healthy) == wanted)
         yield gateway
 
 
