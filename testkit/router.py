@@ -11,7 +11,7 @@ from typing import Any
 from splitserve.router.app import Router, RouterServer
 from splitserve.router.config import RouterConfig
 from splitserve.router.discovery import Discovery
-from splitserve.sim import Role, SimConfig
+from splitserve.sim import Role, SimConfig, SimWorker
 
 # Simulated engines at 1/100 of real CPU-tiny timing: requests take milliseconds.
 TIME_SCALE = 0.01
@@ -52,3 +52,11 @@ async def running_router(config: RouterConfig, discovery: Discovery | None = Non
 def metric_value(router: Router, name: str, labels: dict[str, str] | None = None) -> float:
     value = router.metrics.registry.get_sample_value(name, labels or {})
     return 0.0 if value is None else value
+
+
+def external_kv_tokens(worker: SimWorker) -> float:
+    """Prompt tokens a simulated worker took from transferred KV (not computed itself)."""
+    for line in worker.metrics_text().splitlines():
+        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
+            return float(line.rsplit(" ", 1)[1])
+    return 0.0

@@ -16,7 +16,7 @@ import pytest
 from splitserve.gateway.envoy import envoy_binary
 from splitserve.sim import SimWorker
 from testkit.gateway import pick_log, picker_config, running_gateway
-from testkit.router import metric_value, sim_config
+from testkit.router import external_kv_tokens, metric_value, sim_config
 
 pytestmark = [
     pytest.mark.slow,
@@ -24,13 +24,6 @@ pytestmark = [
 ]
 
 PROMPT = "the endpoint picker chooses a decode pod and names a prefill pod for it " * 3
-
-
-def _external_kv_tokens(worker: SimWorker) -> float:
-    for line in worker.metrics_text().splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 async def _complete(client: httpx.AsyncClient, url: str, **extra: object) -> httpx.Response:
@@ -68,7 +61,7 @@ async def test_pd_through_envoy_follows_the_pick_and_reports_who_served() -> Non
                 # Round-robin alternated; each decode worker decoded from KV it pulled, never recomputed.
                 assert sorted(r["destination"].split(",")[0] for r in picks.records) == sorted(list(endpoints) * 2)
                 for decode in decodes:
-                    assert _external_kv_tokens(decode) > 0
+                    assert external_kv_tokens(decode) > 0
                 assert metric_value(gateway.router, "splitserve_router_requests_total",
                                     {"outcome": "success", "mode": "disaggregated"}) == 4  # fmt: skip
                 for sidecar in gateway.sidecars.values():

@@ -26,7 +26,7 @@ from splitserve.router.discovery import StaticDiscovery
 from splitserve.router.discovery_file import FileDiscovery
 from splitserve.sim import SimWorker, generate_text, tokenize
 from testkit.gateway import pick_log, picker_config, running_gateway, running_sidecar, wait_for
-from testkit.router import metric_value, sim_config
+from testkit.router import external_kv_tokens, metric_value, sim_config
 
 pytestmark = pytest.mark.slow
 
@@ -34,13 +34,6 @@ A, B = "aaaaaaaaaa", "bbbbbbbbbb"
 GENERATION_HEADER = "x-splitserve-generation"
 MAX_TOKENS = 5
 PROMPT = "a rollout through the gateway moves traffic from one KV generation to the next " * 2
-
-
-def _external_kv_tokens(worker: SimWorker) -> float:
-    for line in worker.metrics_text().splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 def _write(path: Path, pools: dict[str, list[dict[str, str]]]) -> None:
@@ -131,7 +124,7 @@ async def test_rollout_through_the_gateway_never_pairs_kv_across_generations(tmp
         for router in sidecar_routers:
             for reason in ("decode_kv_error", "prefill_other_generation", "prefill_unknown_endpoint"):
                 assert metric_value(router, "splitserve_router_fallbacks_total", {"reason": reason}) == 0, reason
-        assert _external_kv_tokens(da) > 0 and _external_kv_tokens(db) > 0
+        assert external_kv_tokens(da) > 0 and external_kv_tokens(db) > 0
 
 
 async def _post(url: str, headers: dict[str, str] | None = None, **extra: Any) -> httpx.Response:
@@ -167,14 +160,14 @@ async def test_sidecar_splits_on_a_header_set_by_another_picker_and_refuses_othe
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
             assert answer.headers["x-request-id"] == "llmd-1"
             assert count("disaggregated") == 1
-            assert _external_kv_tokens(da) == answer.json()["usage"]["prompt_tokens"]
+            assert external_kv_tokens(da) == answer.json()["usage"]["prompt_tokens"]
 
             # Another generation's prefill pod: refused, recomputed locally, still generation A's answer.
-            kv_before = _external_kv_tokens(da)
+            kv_before = external_kv_tokens(da)
             answer = await _post(url, {"x-prefiller-host-port": pb.url.removeprefix("http://")})
             assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
             assert fallbacks("prefill_other_generation") == 1
-            assert _external_kv_tokens(da) == kv_before
+            assert external_kv_tokens(da) == kv_before
 
             # A pod it does not know is not trusted either.
             answer = await _post(url, {"x-prefiller-host-port": "10.1.2.3:8000"})

@@ -11,7 +11,7 @@ import orjson
 import pytest
 
 from splitserve.sim import SimWorker
-from testkit.router import metric_value, router_config, running_router, sim_config
+from testkit.router import external_kv_tokens, metric_value, router_config, running_router, sim_config
 
 METRICS_DOC = Path(__file__).resolve().parents[2] / "workers" / "router" / "METRICS.md"
 
@@ -21,13 +21,6 @@ async def _post(
 ) -> tuple[int, bytes, dict[str, str]]:
     async with aiohttp.ClientSession() as session, session.post(url, json=body, headers=headers) as response:
         return response.status, await response.read(), {k.lower(): v for k, v in response.headers.items()}
-
-
-def _external_kv_tokens(worker: SimWorker) -> float:
-    for line in worker.metrics_text().splitlines():
-        if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
-            return float(line.rsplit(" ", 1)[1])
-    return 0.0
 
 
 async def test_disaggregated_completion_uses_transferred_kv() -> None:
@@ -44,7 +37,7 @@ async def test_disaggregated_completion_uses_transferred_kv() -> None:
             answer = orjson.loads(body)
             assert answer["usage"]["completion_tokens"] == 8
             assert headers["x-request-id"] == "req-abc"
-            assert _external_kv_tokens(decode) == answer["usage"]["prompt_tokens"]
+            assert external_kv_tokens(decode) == answer["usage"]["prompt_tokens"]
             assert (
                 metric_value(
                     router, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}
@@ -83,7 +76,7 @@ async def test_streaming_chat_relays_every_event() -> None:
             assert len(events) >= 7  # six tokens (maybe a role chunk) and [DONE]
             assert metric_value(router, "splitserve_router_ttft_seconds_count") == 1
             assert metric_value(router, "splitserve_router_output_tokens_sum") >= 6
-            assert _external_kv_tokens(decode) > 0
+            assert external_kv_tokens(decode) > 0
 
 
 async def test_short_prompts_skip_prefill_below_threshold() -> None:
@@ -98,7 +91,7 @@ async def test_short_prompts_skip_prefill_below_threshold() -> None:
                 metric_value(router, "splitserve_router_requests_total", {"outcome": "success", "mode": "aggregated"})
                 == 1
             )
-            assert _external_kv_tokens(decode) == 0
+            assert external_kv_tokens(decode) == 0
             status, _, _ = await _post(
                 url + "/v1/completions", {"model": "sim-model", "prompt": "x" * 800, "max_tokens": 2}
             )
