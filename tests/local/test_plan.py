@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+from collections.abc import Callable
 from pathlib import Path
 
 import yaml
@@ -16,10 +17,16 @@ from splitserve.builders.router import build_router_deployment
 from splitserve.builders.target import Target
 from splitserve.builders.vllm_args import option_value
 from splitserve.engine import cli as worker_cli
-from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment, parse_deployment
-from splitserve.local.plan import Engine, PlanInputs, plan_processes, resolved_document
+from splitserve.gateway import epp as epp_cli
+from splitserve.gateway import sidecar as sidecar_cli
+from splitserve.local.changes import Change
+from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment, load_deployment, parse_deployment
+from splitserve.local.gateway import LocalGateway, refusal
+from splitserve.local.plan import Engine, PlanInputs, ProcessSpec, plan_processes, resolved_document
+from splitserve.local.supervisor import Progress, Supervisor
 from splitserve.router import cli as router_cli
 from splitserve.router.config import DiscoveryKind
+from testkit.upctl import REPO
 
 SPLITSERVE = ("python", "-m", "splitserve")
 
@@ -221,3 +228,72 @@ def test_no_kv_events_without_precise_prefix() -> None:
         plan = plan_processes(_deployment(prefill=1, decode=1), _inputs(engine, "/models/tiny", "/run/spec.yaml"))
         for worker in plan.workers:
             assert not _has(worker.argv, "--kv-events-config") and not _has(worker.argv, "--kv-events-port")
+
+
+# --------------------------------------------------------------------------- --gateway envoy
+
+
+def _plan(file: str, tmp_path: Path, inputs: PlanInputs) -> tuple[list[ProcessSpec], list[ProcessSpec], Path]:
+    """(workers, the gateway's processes, the bootstrap file) of a deployment file, planned."""
+    deployment: LocalDeployment = load_deployment(REPO / "deploy/local" / file)
+    workers = list(plan_processes(deployment, inputs).workers)
+    supervisor = Supervisor(tmp_path, Progress())
+    local = LocalGateway(supervisor, inputs.allocate_port, "/opt/envoy")
+    return workers, local.plan(deployment, inputs, workers), local.bootstrap_path
+
+
+def _parse(configure: Callable[[argparse.ArgumentParser], None], spec: ProcessSpec) -> argparse.Namespace:
+    assert spec.argv[: len(SPLITSERVE)] == SPLITSERVE
+    parser = argparse.ArgumentParser()
+    configure(parser)
+    return parser.parse_args(list(spec.argv[len(SPLITSERVE) + 1 :]))
+
+
+def test_disaggregated_a_sidecar_per_decode_worker_the_picker_targets_it_envoy_pools_them(tmp_path: Path) -> None:
+    workers, planned, bootstrap = _plan("tiny-disaggregated.yaml", tmp_path, _inputs())
+    decode = next(worker for worker in workers if worker.role == "decode")
+    sidecar, epp, envoy = planned
+    assert [spec.name for spec in planned] == ["decode-0-sidecar", "epp", "envoy"]
+
+    assert sidecar.argv[len(SPLITSERVE)] == "sidecar" and sidecar.ready_path == "/ready"
+    config, local, generation = sidecar_cli.config_from_args(_parse(sidecar_cli.configure, sidecar))
+    assert (local, generation, config.port) == (decode.base_url, "g1", sidecar.port)
+    assert config.discovery is DiscoveryKind.FILE and config.endpoints_file == "/run/endpoints.json"
+
+    assert epp.argv[len(SPLITSERVE)] == "epp" and epp.ready_path == "/ready"
+    config, options = epp_cli.options_from_args(_parse(epp_cli.configure, epp))
+    assert config.discovery is DiscoveryKind.FILE and config.endpoints_file == "/run/endpoints.json"
+    assert (config.model, config.port) == ("tiny-llama", epp.port)
+    assert options.target_endpoints == {decode.base_url: f"127.0.0.1:{sidecar.port}"}
+    assert options.grpc_port not in {epp.port, sidecar.port, envoy.port}
+
+    assert envoy.argv == ("/opt/envoy", "-c", str(bootstrap), "--base-id", str(envoy.ready_port), "--log-level", "warn")
+    assert envoy.ready_url == f"http://127.0.0.1:{envoy.ready_port}/ready" != f"{envoy.base_url}/ready"
+    text = bootstrap.read_text()
+    config_doc = yaml.safe_load(text)
+    assert config_doc["admin"]["address"]["socket_address"]["port_value"] == envoy.ready_port
+    assert f"port_value: {sidecar.port}" in text and f"port_value: {options.grpc_port}" in text
+    assert f"port_value: {decode.port}" not in text, "Envoy reaches the decode worker only through its sidecar"
+
+
+def test_aggregated_no_sidecar_the_picker_names_the_workers_themselves(tmp_path: Path) -> None:
+    workers, planned, bootstrap = _plan("tiny-aggregated.yaml", tmp_path, _inputs())
+    assert [spec.name for spec in planned] == ["epp", "envoy"]
+    config, options = epp_cli.options_from_args(_parse(epp_cli.configure, planned[0]))
+    assert options.target_endpoints == {} and config.prefill_pool is False
+    assert f"port_value: {workers[0].port}" in bootstrap.read_text()
+
+
+def test_vllm_the_picker_and_sidecars_get_the_routers_tokenizer(tmp_path: Path) -> None:
+    inputs = _inputs(Engine.VLLM, model_path="/models/tiny", spec_path="/run/spec.yaml")
+    _, planned, _ = _plan("tiny-disaggregated.yaml", tmp_path, inputs)
+    for spec in planned[:2]:
+        assert "--tokenizer=/models/tiny" in spec.argv, spec.name
+
+
+def test_a_running_gateway_refuses_changes_of_the_decode_workers_only() -> None:
+    assert refusal(Change("g1", "g1", replicas={"prefill": (1, 2)})) is None
+    assert refusal(Change("g1", "g1")) is None
+    assert "decode replicas" in str(refusal(Change("g1", "g1", replicas={"decode": (1, 2)})))
+    assert "aggregated replicas" in str(refusal(Change("g1", "g1", replicas={"aggregated": (1, 2)})))
+    assert "new KV generation" in str(refusal(Change("g1", "g2")))

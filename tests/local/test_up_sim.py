@@ -13,7 +13,7 @@ import pytest
 from splitserve.local.ports import is_port_free
 from splitserve.local.procs import is_alive
 from testkit.upctl import ENDPOINT_LINE, REPO, start_up
-from tests.local.restart_checks import RESTART_LINE, kill_and_see_it_back, pids, wait_router_takes
+from tests.local.serving import RESTART_LINE, kill_and_see_it_back, serving, wait_router_takes
 
 # Each test starts three Python processes; on a shared 2-core machine that takes seconds.
 pytestmark = pytest.mark.slow
@@ -73,8 +73,7 @@ def test_smoke_sends_one_request_and_exits(tmp_path: Path) -> None:
 
 
 def test_a_worker_and_the_router_killed_while_serving_are_restarted(tmp_path: Path) -> None:
-    up = start_up("--engine", "sim", "-f", DISAGGREGATED, "--port", "0", run_dir=tmp_path)
-    try:
+    with serving("--engine", "sim", "-f", DISAGGREGATED, "--port", "0", run_dir=tmp_path) as up:
         endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=60).group(1)
         decode_url = next(str(entry["url"]) for entry in up.process_state() if entry["name"] == "decode-0")
         client = openai.OpenAI(base_url=endpoint, api_key="unused", max_retries=0, timeout=30)
@@ -84,14 +83,6 @@ def test_a_worker_and_the_router_killed_while_serving_are_restarted(tmp_path: Pa
             completion = client.completions.create(model="tiny-llama", prompt="Hello, my name is", max_tokens=8)
             assert completion.usage is not None and completion.usage.completion_tokens == 8
         assert up.popen.poll() is None, "`up` serves on"
-        running = set(pids(up).values())
-
-        up.popen.send_signal(signal.SIGTERM)
-        assert up.popen.wait(timeout=30) == 0
-    finally:
-        if up.popen.poll() is None:
-            up.popen.kill()
-    assert _wait_gone(running, 5) == set()
     assert sum(bool(RESTART_LINE.search(line)) for line in up.lines) == 2, "no restart while stopping"
 
 

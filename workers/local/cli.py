@@ -14,9 +14,11 @@ from pathlib import Path
 
 import yaml
 
+from splitserve.gateway.envoy import envoy_binary
 from splitserve.local.control import NoStack, find_stack, follow, submit
 from splitserve.local.deployment import TINY_MODEL_URI, DeploymentFileError, load_deployment
-from splitserve.local.plan import Engine
+from splitserve.local.gateway import missing_envoy
+from splitserve.local.plan import Engine, Gateway
 from splitserve.local.ports import LOOPBACK, PortAllocator, is_port_free
 from splitserve.local.prometheus import DEFAULT_PORT as PROMETHEUS_PORT
 from splitserve.local.stack import VLLM_WORKERS_WARNING, LocalStack, UpOptions, vllm_missing
@@ -90,6 +92,13 @@ def configure(parser: argparse.ArgumentParser) -> None:
         "--stop-grace", type=float, default=15.0, metavar="SECONDS", help="wait this long after SIGTERM, then SIGKILL"
     )
     parser.add_argument("--sim-profile", help="engine sim: calibration profile passed to each simulator")
+    parser.add_argument(
+        "--gateway",
+        choices=[gateway.value for gateway in Gateway],
+        default=Gateway.NONE.value,
+        help="envoy: also run the stack behind an Envoy with the endpoint picker (`splitserve epp`) and a P/D "
+        "sidecar per decode worker, as a cluster's Gateway fronts it; prints its endpoint beside the router's",
+    )
     parser.add_argument(
         "--prometheus",
         action="store_true",
@@ -226,6 +235,10 @@ def run(args: argparse.Namespace) -> int:
             file=sys.stderr,
         )
         return 1
+    gateway = Gateway(args.gateway)
+    if gateway is Gateway.ENVOY and (problem := missing_envoy()):
+        print(f"error: {problem}", file=sys.stderr)
+        return 1
     try:
         router_port, port_note = _router_port(args.port)
         prometheus_port, prometheus_note = None, None
@@ -269,5 +282,7 @@ def run(args: argparse.Namespace) -> int:
         deployment_file=args.filename,
         registry=STACKS_DIR,
         prometheus_port=prometheus_port,
+        gateway=gateway,
+        envoy_binary=envoy_binary() if gateway is Gateway.ENVOY else None,
     )
     return LocalStack(deployment, options, progress).run()

@@ -26,6 +26,13 @@ class Engine(StrEnum):
     SIM = "sim"
 
 
+class Gateway(StrEnum):
+    """What fronts the stack besides the router: nothing, or an Envoy with the endpoint picker."""
+
+    NONE = "none"
+    ENVOY = "envoy"
+
+
 @dataclass(frozen=True)
 class ProcessSpec:
     """One process of the local stack and how to tell it is ready."""
@@ -37,6 +44,7 @@ class ProcessSpec:
     env: Mapping[str, str] = field(default_factory=dict)
     role: str = ""  # workers: prefill, decode or aggregated
     generation: str = ""  # workers: the KV generation they serve
+    ready_port: int = 0  # where ready_path is served, when not on `port` (Envoy: its admin port)
 
     @property
     def base_url(self) -> str:
@@ -49,7 +57,7 @@ class ProcessSpec:
 
     @property
     def ready_url(self) -> str:
-        return self.base_url + self.ready_path
+        return f"http://{LOOPBACK}:{self.ready_port or self.port}{self.ready_path}"
 
 
 @dataclass(frozen=True)
@@ -152,18 +160,68 @@ def router_discovery_args(deployment: LocalDeployment, endpoints_file: str) -> l
     return ["--discovery=file", f"--endpoints-file={endpoints_file}", *no_prefill]
 
 
-def plan_router(deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
-    argv = [*inputs.splitserve, "router"]
+def _router_flags(deployment: LocalDeployment, inputs: PlanInputs, port: int) -> list[str]:
+    """The flags of `splitserve router` that the router, the endpoint picker and the sidecars share:
+    listen address, model, the endpoints file, policies, admission, timeouts, drain, tokenizer."""
     workers = router_discovery_args(deployment, inputs.endpoints_file)
-    argv += router_args(deployment.spec, host=LOOPBACK, port=inputs.router_port, workers=workers)
-    argv.append(f"--drain-seconds={inputs.router_drain_seconds:g}")
+    flags = router_args(deployment.spec, host=LOOPBACK, port=port, workers=workers)
+    flags.append(f"--drain-seconds={inputs.router_drain_seconds:g}")
+    if inputs.engine is Engine.VLLM and inputs.model_path and uses_tiny_model(deployment):
+        # The real tokenizer makes the router's token counts (threshold, prefix hashing) exact.
+        flags.append(f"--tokenizer={inputs.model_path}")
+    return flags
+
+
+def plan_router(deployment: LocalDeployment, inputs: PlanInputs) -> ProcessSpec:
+    argv = [*inputs.splitserve, "router", *_router_flags(deployment, inputs, inputs.router_port)]
     # One router process: locally the engines need the other cores, and a second router process
     # contending with them for a core costs latency (benchmarks/router/README.md, shared cores).
     argv.append("--workers=1")
-    if inputs.engine is Engine.VLLM and inputs.model_path and uses_tiny_model(deployment):
-        # The real tokenizer makes the router's token counts (threshold, prefix hashing) exact.
-        argv.append(f"--tokenizer={inputs.model_path}")
     return ProcessSpec(name="router", argv=tuple(argv), port=inputs.router_port, ready_path="/ready")
+
+
+# --------------------------------------------------------------------------- --gateway envoy
+
+
+@dataclass(frozen=True)
+class GatewayPorts:
+    listen: int  # Envoy's listener: the Gateway endpoint
+    admin: int  # Envoy's admin interface (/ready)
+    epp_grpc: int  # the endpoint picker's ext_proc and gRPC health
+    epp_http: int  # the endpoint picker's /health, /ready, /metrics, /splitserve/workers
+
+
+def sidecar_name(worker: ProcessSpec) -> str:
+    return f"{worker.name}-sidecar"
+
+
+def plan_sidecar(deployment: LocalDeployment, inputs: PlanInputs, worker: ProcessSpec, port: int) -> ProcessSpec:
+    """The P/D sidecar of a decode worker: the Gateway's requests for that worker reach it, and it runs
+    the prefill leg on the prefill worker the picker names (of the worker's generation, which it learns
+    from the endpoints file), then the decode leg on its worker."""
+    argv = [*inputs.splitserve, "sidecar", *_router_flags(deployment, inputs, port)]
+    argv += [f"--local={worker.base_url}", f"--generation={worker.generation}"]
+    return ProcessSpec(
+        name=sidecar_name(worker), argv=tuple(argv), port=port, ready_path="/ready", generation=worker.generation
+    )
+
+
+def plan_epp(
+    deployment: LocalDeployment, inputs: PlanInputs, ports: GatewayPorts, targets: Mapping[str, int]
+) -> ProcessSpec:
+    """The endpoint picker: the router's discovery and policies behind Envoy's ext_proc; `targets` maps a
+    decode worker's URL to its sidecar's port (none in aggregated mode: Envoy reaches the workers)."""
+    argv = [*inputs.splitserve, "epp", *_router_flags(deployment, inputs, ports.epp_http)]
+    argv.append(f"--grpc-port={ports.epp_grpc}")
+    argv += [f"--target-endpoint={url}={LOOPBACK}:{port}" for url, port in sorted(targets.items())]
+    return ProcessSpec(name="epp", argv=tuple(argv), port=ports.epp_http, ready_path="/ready")
+
+
+def plan_envoy(binary: str, bootstrap_path: str, ports: GatewayPorts) -> ProcessSpec:
+    """Envoy with the bootstrap `up` renders. --base-id names its shared memory and hot-restart socket,
+    which must differ between Envoys that run at once: the admin port does, on one host."""
+    argv = (binary, "-c", bootstrap_path, "--base-id", str(ports.admin), "--log-level", "warn")
+    return ProcessSpec(name="envoy", argv=argv, port=ports.listen, ready_path="/ready", ready_port=ports.admin)
 
 
 def plan_worker(deployment: LocalDeployment, inputs: PlanInputs, role: str, index: int) -> ProcessSpec:

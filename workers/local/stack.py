@@ -26,8 +26,11 @@ import yaml
 from splitserve.local.control import ApplyRequest, ControlChannel, FileWatch, StackInfo
 from splitserve.local.deployment import DeploymentFileError, LocalDeployment, parse_deployment
 from splitserve.local.endpoints import EndpointsFile
+from splitserve.local.gateway import LocalGateway
+from splitserve.local.gateway import refusal as gateway_refusal
 from splitserve.local.plan import (
     Engine,
+    Gateway,
     PlanInputs,
     ProcessSpec,
     local_generation,
@@ -76,6 +79,10 @@ class UpOptions:
     watch_seconds: float = 0.5
     # --prometheus: the port a local Prometheus scraping the stack listens on (None: no Prometheus).
     prometheus_port: int | None = None
+    # --gateway envoy: also an Envoy with the endpoint picker (and a sidecar per decode worker).
+    gateway: Gateway = Gateway.NONE
+    # The envoy executable, with --gateway envoy (cli.py checks that there is one).
+    envoy_binary: str | None = None
 
 
 def splitserve_command() -> tuple[str, ...]:
@@ -111,8 +118,14 @@ class LocalStack:
         self._follower: RequestLogFollower | None = None
         self._spec_files = 0
         self.prometheus: LocalPrometheus | None = None
-        # Long-running processes besides the fleet's workers and router (Prometheus): restarted too.
+        # Long-running processes besides the fleet's workers and router (Prometheus, the gateway's):
+        # restarted too.
         self._others: list[RunningProcess] = []
+        self.gateway: LocalGateway | None = None
+        if options.gateway is Gateway.ENVOY:
+            if options.envoy_binary is None:
+                raise ValueError("--gateway envoy needs UpOptions.envoy_binary")
+            self.gateway = LocalGateway(self.supervisor, self.ports.allocate, options.envoy_binary)
         self.restarter = Restarter(
             self.supervisor,
             progress,
@@ -237,10 +250,22 @@ class LocalStack:
         router = self.supervisor.start(plan_router(self.deployment, generation.plan_inputs))
         self.supervisor.wait_ready([router], self.options.startup_timeout)
         self.fleet.router = router
+        if self.gateway is not None:
+            specs = [worker.spec for worker in workers]
+            self._others += self.gateway.start(
+                self.deployment, generation.plan_inputs, specs, self.options.startup_timeout
+            )
         self._start_prometheus()
         memory_mb = self.supervisor.memory_bytes() / 2**20
-        self.progress.say(f"all {len(workers) + 1} processes ready ({memory_mb:.0f} MiB resident)")
+        count = len(workers) + 1 + len(self._others)
+        self.progress.say(f"all {count} processes ready ({memory_mb:.0f} MiB resident)")
         print(f"OpenAI endpoint: {self.endpoint}   (model {self.model_name!r})", flush=True)
+        if self.gateway is not None:
+            print(
+                f"Gateway endpoint: {self.gateway.endpoint}   (Envoy, the endpoint picker picks each request's "
+                f"workers; OpenAI API under {self.gateway.endpoint}/v1)",
+                flush=True,
+            )
         if self.prometheus is not None:
             file = self.options.deployment_file or Path("FILE")
             print(f"Prometheus: {self.prometheus.url}   (scraping the router and every worker)", flush=True)
@@ -388,11 +413,14 @@ class LocalStack:
             return Outcome(False, f"{source} not applied: {len(error.messages)} problem(s) in the file")
         generation_id = self._generation_id(new)
         change = self.fleet.describe(new, generation_id)
-        if change.refused:
+        refused = list(change.refused)
+        if self.gateway is not None and (why := gateway_refusal(change)):
+            refused.append(f"{why}: restart `splitserve up --gateway envoy` for it")
+        if refused:
             self.progress.say(f"{source}: not applied, still serving generation {current.id}:")
-            for reason in change.refused:
+            for reason in refused:
                 self.progress.say(f"  {reason}")
-            return Outcome(False, f"{source} not applied: " + "; ".join(change.refused))
+            return Outcome(False, f"{source} not applied: " + "; ".join(refused))
         if change.new_generation:
             try:
                 generation = self._generation(new, generation_id)

@@ -32,6 +32,8 @@ PR_SET_PDEATHSIG = 1
 POLL_SECONDS = 0.2
 # Slow starters (vLLM takes about 30 s) get a line now and then, so a waiting terminal is not a mystery.
 STILL_STARTING_EVERY_SECONDS = 10.0
+# The order in which `up` signals its children: these first, then the rest as they were started.
+STOP_FIRST = {"envoy": 0, "router": 1, "epp": 2}
 
 
 class Progress:
@@ -328,8 +330,9 @@ class Supervisor:
             self._write_state()
 
     def _stop(self, processes: Sequence[RunningProcess]) -> bool:
-        # Router first: it stops taking requests before the workers behind it go away.
-        ordered = sorted(processes, key=lambda process: process.name != "router")
+        # Front doors first (Envoy, the router, then the picker): they stop taking requests before the
+        # workers behind them go away.
+        ordered = sorted(processes, key=lambda process: STOP_FIRST.get(process.name, len(STOP_FIRST)))
         # Snapshot the trees now: once a worker exits, its orphans no longer show up as its descendants.
         trees = {process.name: (process, process_tree(process.pid)) for process in ordered}
         trees = {name: tree for name, tree in trees.items() if self._remaining(*tree)}
