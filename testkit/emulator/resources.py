@@ -176,6 +176,9 @@ BUILTIN_RESOURCES: tuple[ResourceInfo, ...] = (
     _builtin("monitoring.coreos.com/v1", "servicemonitors", "ServiceMonitor", short_names=["smon"]),
     _builtin("monitoring.coreos.com/v1", "podmonitors", "PodMonitor", short_names=["pmon"]),
     _builtin("keda.sh/v1alpha1", "scaledobjects", "ScaledObject", short_names=["so"], status=True),
+    # Gateway API and its Inference Extension (spec.gateway's InferencePool and HTTPRoute).
+    _builtin("inference.networking.k8s.io/v1", "inferencepools", "InferencePool", short_names=["infpool"], status=True),
+    _builtin("gateway.networking.k8s.io/v1", "httproutes", "HTTPRoute", status=True, categories=["gateway-api"]),
     _builtin("kopf.dev/v1", "kopfpeerings", "KopfPeering"),
     _builtin("kopf.dev/v1", "clusterkopfpeerings", "ClusterKopfPeering", namespaced=False),
 )

@@ -383,6 +383,8 @@ def test_builtin_discovery(shared_client: EmulatorClient) -> None:
         "/apis/events.k8s.io/v1": {"events"},
         "/apis/monitoring.coreos.com/v1": {"servicemonitors", "podmonitors"},
         "/apis/keda.sh/v1alpha1": {"scaledobjects"},
+        "/apis/inference.networking.k8s.io/v1": {"inferencepools"},
+        "/apis/gateway.networking.k8s.io/v1": {"httproutes"},
         "/apis/kopf.dev/v1": {"kopfpeerings", "clusterkopfpeerings"},
     }
     for path, names in expected.items():

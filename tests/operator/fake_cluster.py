@@ -79,6 +79,23 @@ class FakeCluster:
         updated = self.put(stored)
         return {"metadata": {"resourceVersion": updated["metadata"]["resourceVersion"]}, "spec": {"replicas": replicas}}
 
+    async def json_patch(
+        self, api_version: str, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """The `test` and `remove` ops the reconciler sends (a failed test answers 422, as a server does)."""
+        self.calls.append(("patch", kind, name))
+        stored = copy.deepcopy(self.objects[(api_version, kind, namespace, name)])
+        for op in ops:
+            *parents, last = [int(part) if part.isdigit() else part for part in op["path"].strip("/").split("/")]
+            node: Any = stored
+            for part in parents:
+                node = node[part]
+            if op["op"] == "test" and node[last] != op["value"]:
+                raise KubeError(422, "Invalid", f"test failed at {op['path']}")
+            if op["op"] == "remove":
+                del node[last]
+        return self.put(stored)
+
     async def get(self, api_version: str, kind: str, namespace: str, name: str) -> dict[str, Any] | None:
         self.calls.append(("get", kind, name))
         found = self.objects.get((api_version, kind, namespace, name))

@@ -103,7 +103,16 @@ specs = st.fixed_dictionaries(
         ),
         "monitoring": st.fixed_dictionaries({"enabled": st.booleans()}),
         "autoscaling": st.fixed_dictionaries({"enabled": st.booleans()}),
-    }
+    },
+    optional={
+        "gateway": st.sampled_from(
+            [
+                {},
+                {"failureMode": "FailOpen", "endpointPicker": {"replicas": 0}},
+                {"httpRoute": {"parentRefs": [{"name": "gw", "namespace": "infra"}], "hostnames": ["*.example.com"]}},
+            ]
+        )
+    },
 )
 
 
@@ -124,8 +133,10 @@ def test_generated_specs_build_valid_owned_children(spec: dict[str, Any]) -> Non
             template_labels = child["spec"]["template"]["metadata"]["labels"]
             assert child["spec"]["selector"]["matchLabels"].items() <= template_labels.items()
     kinds = [c["kind"] for c in children]
-    assert kinds.count("Deployment") == (2 if spec["mode"] == "aggregated" else 3)
+    gateway = "gateway" in spec
+    assert kinds.count("Deployment") == (2 if spec["mode"] == "aggregated" else 3) + gateway
     assert ("ServiceMonitor" in kinds) == spec["monitoring"]["enabled"]
+    assert kinds.count("InferencePool") == gateway
 
 
 def _deployments(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:

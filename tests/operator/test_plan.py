@@ -136,11 +136,15 @@ def test_prune_takes_owned_strays_of_prunable_kinds_only() -> None:
     stray["metadata"]["name"] = "demo-old"
     foreign = copy.deepcopy(stray)
     foreign["metadata"].update(name="someone-elses", ownerReferences=[{"uid": "other"}])
+    # RBAC is pruned too: spec.gateway's ServiceAccounts and Roles go when the gateway does.
     role = copy.deepcopy(dict(cluster[("rbac.authorization.k8s.io/v1", "Role", "demo-router")]))
-    role["metadata"]["name"] = "demo-old-role"  # not a prunable kind: a fixed set that never changes
-    cluster.update({child_key(stray): stray, child_key(foreign): foreign, child_key(role): role})
+    role["metadata"]["name"] = "demo-old-role"
+    # A kind the builders never emit is never ours to delete, even with our owner reference.
+    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**role["metadata"], "name": "demo-cm"}}
+    strays = [stray, foreign, role, config_map]
+    cluster.update({child_key(obj): obj for obj in strays})
     wanted = {child_key(child) for child in desired(spec)}
-    assert [obj["metadata"]["name"] for obj in plan_prune(cluster, wanted, OWNER)] == ["demo-old"]
+    assert [obj["metadata"]["name"] for obj in plan_prune(cluster, wanted, OWNER)] == ["demo-old", "demo-old-role"]
 
 
 def body() -> dict[str, Any]:

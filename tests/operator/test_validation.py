@@ -11,6 +11,7 @@ import yaml
 
 from splitserve.validation import validate_object, validate_text
 from tests.operator.helpers import EXAMPLES, load, minimal
+from tests.operator.test_gateway import GATEWAY_INVALID
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda p: p.name)
@@ -107,6 +108,7 @@ INVALID: list[tuple[str, dict[str, Any], str, str]] = [
         "spec.engine.kvEventsPort",
         "must differ from engine.port and kvTransfer.sideChannelPort",
     ),
+    *GATEWAY_INVALID,
 ]
 
 

@@ -377,6 +377,129 @@ class OptimizationSpec(ApiModel):
     )
 
 
+# --------------------------------------------------------------------------- gateway
+
+# The decode pods' P/D proxy (a native sidecar, `splitserve sidecar`) listens here when spec.gateway
+# is set in disaggregated mode: the InferencePool's target port, so a Gateway's requests reach it.
+PD_SIDECAR_PORT = 8200
+# Gateway API's own limits and patterns (HTTPRoute spec.parentRefs, spec.hostnames).
+GATEWAY_HOSTNAME = r"^(\*\.)?[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+DNS_SUBDOMAIN = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?(\.[a-z0-9]([-a-z0-9]*[a-z0-9])?)*$"
+Hostname = Annotated[str, Field(min_length=1, max_length=253, pattern=GATEWAY_HOSTNAME)]
+
+
+class EndpointPickerSpec(ApiModel):
+    model_config = cel_rules(
+        cel(
+            "self.port != self.metricsPort",
+            "gateway.endpointPicker.metricsPort must differ from gateway.endpointPicker.port (gRPC): "
+            "the picker listens on both",
+            field_path=".metricsPort",
+        )
+    )
+
+    replicas: int = Field(
+        1,
+        ge=0,
+        le=10,
+        description="Endpoint picker (EPP) replicas. Each picks from its own view of the pods, as the "
+        "router's replicas do; 0 leaves the Gateway without a picker (only with failureMode FailOpen).",
+    )
+    port: int = Field(
+        9002, ge=1, le=65535, description="gRPC port of the picker's ext_proc service (endpointPickerRef's port)."
+    )
+    metrics_port: int = Field(9090, ge=1, le=65535, description="HTTP port of the picker's /metrics.")
+    cpu: Quantity = Field("1", description="CPU request of each picker pod.")
+    memory: Quantity = Field("1Gi", description="Memory request (also its limit) of each picker pod.")
+
+
+class PdSidecarSpec(ApiModel):
+    cpu: Quantity = Field("1", description="CPU request of the pd-sidecar container on each decode pod.")
+    memory: Quantity = Field("512Mi", description="Memory request (also its limit) of the pd-sidecar container.")
+
+
+class GatewayParentRef(ApiModel):
+    name: str = Field(min_length=1, max_length=253, description="Name of the Gateway the route attaches to.")
+    namespace: str | None = Field(
+        None, max_length=63, pattern=DNS_LABEL, description="The Gateway's namespace; unset: the route's own."
+    )
+    section_name: str | None = Field(
+        None, max_length=253, pattern=DNS_SUBDOMAIN, description="A listener of the Gateway, by name."
+    )
+    port: int | None = Field(None, ge=1, le=65535, description="A listener of the Gateway, by port.")
+
+
+class HttpRouteSpec(ApiModel):
+    model_config = cel_rules(
+        cel(
+            "size(self.parentRefs) > 0",
+            "gateway.httpRoute needs at least one entry in parentRefs: the Gateway (and listener) it attaches to",
+            field_path=".parentRefs",
+        ),
+        cel(
+            "self.parentRefs.all(p, self.parentRefs.exists_one(q, p.name == q.name && "
+            "(has(p.namespace) ? p.namespace : '') == (has(q.namespace) ? q.namespace : '') && "
+            "(has(p.sectionName) ? p.sectionName : '') == (has(q.sectionName) ? q.sectionName : '') && "
+            "(has(p.port) ? p.port : 0) == (has(q.port) ? q.port : 0)))",
+            "gateway.httpRoute.parentRefs lists the same Gateway listener twice",
+            field_path=".parentRefs",
+        ),
+        cel(
+            "self.hostnames.all(h, self.hostnames.exists_one(g, g == h))",
+            "gateway.httpRoute.hostnames lists a hostname twice",
+            field_path=".hostnames",
+        ),
+    )
+
+    parent_refs: list[GatewayParentRef] = Field(
+        default_factory=list, max_length=32, description="Gateways (listeners) the HTTPRoute attaches to."
+    )
+    hostnames: list[Hostname] = Field(
+        default_factory=list,
+        max_length=16,
+        description="Host headers the route matches (a leading `*.` is a wildcard); empty: every host.",
+    )
+
+
+class GatewaySpec(ApiModel):
+    """The deployment behind a cluster's Gateway (Gateway API Inference Extension)."""
+
+    model_config = cel_rules(
+        cel(
+            "self.failureMode == 'FailOpen' || self.endpointPicker.replicas > 0",
+            "gateway.endpointPicker.replicas 0 with failureMode FailClose fails every request through the "
+            "Gateway: run a picker or set failureMode FailOpen",
+            field_path=".endpointPicker.replicas",
+        )
+    )
+
+    failure_mode: Literal["FailClose", "FailOpen"] = Field(
+        "FailClose",
+        description="What the Gateway does when the endpoint picker does not answer (the InferencePool's "
+        "endpointPickerRef.failureMode). FailClose: the request fails. FailOpen: the Gateway picks a pool "
+        "pod itself; in disaggregated mode that decode pod serves the request whole, without prefill.",
+    )
+    endpoint_picker: EndpointPickerSpec = Field(
+        default_factory=EndpointPickerSpec,
+        description="The endpoint picker (`splitserve epp`): the router's policies and pools behind the "
+        "Gateway's ext_proc protocol.",
+    )
+    sidecar: PdSidecarSpec = Field(
+        default_factory=PdSidecarSpec,
+        description=f"Disaggregated mode: the P/D proxy on each decode pod (port {PD_SIDECAR_PORT}), which runs "
+        "the prefill leg on the prefill pod the picker names, then decodes locally.",
+    )
+    http_route: HttpRouteSpec | None = Field(
+        None, description="Render an HTTPRoute from these Gateways to the InferencePool (path prefix /)."
+    )
+    allowed_from: list[Opaque] = Field(
+        default_factory=list,
+        max_length=16,
+        description="NetworkPolicy peers (as in an ingress rule's `from`) of the Gateway's proxy pods, which "
+        "connect straight to the pool's pods and to the picker. Empty: pods of every namespace.",
+    )
+
+
 # --------------------------------------------------------------------------- rollout
 
 
@@ -434,6 +557,14 @@ class InferenceDeploymentSpec(ApiModel):
             "routing a worker listens on all three",
             field_path=".engine.kvEventsPort",
         ),
+        cel(
+            f"!has(self.gateway) || self.mode == 'aggregated' || (self.engine.port != {PD_SIDECAR_PORT} && "
+            f"self.kvTransfer.sideChannelPort != {PD_SIDECAR_PORT} && (self.router.routingPolicy.decode != "
+            f"'precise-prefix' || self.engine.kvEventsPort != {PD_SIDECAR_PORT}))",
+            f"with spec.gateway in disaggregated mode the decode pods' pd-sidecar listens on port {PD_SIDECAR_PORT}: "
+            "engine.port, kvTransfer.sideChannelPort and engine.kvEventsPort must differ from it",
+            field_path=".gateway",
+        ),
     )
 
     model: ModelSpec
@@ -453,4 +584,10 @@ class InferenceDeploymentSpec(ApiModel):
         default_factory=RolloutSpec,
         description="How a change of the KV generation (api/generation.py: model revision, dtype, image, "
         "TP layout, connector ...) rolls out: new pools beside the old, make-before-break.",
+    )
+    gateway: GatewaySpec | None = Field(
+        None,
+        description="Serve behind a cluster's Gateway too (Gateway API Inference Extension): an InferencePool "
+        "of the serving pods, its endpoint picker, in disaggregated mode a P/D sidecar on decode pods, and "
+        "optionally an HTTPRoute. The router keeps serving beside it.",
     )

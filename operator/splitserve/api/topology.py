@@ -19,6 +19,8 @@ LABEL_SERVES_DECODE = f"{API_GROUP}/serves-decode"
 # within one, and a new one rolls out as new pools beside the old.
 LABEL_GENERATION = f"{API_GROUP}/generation"
 ROUTER_ROLE = "router"
+# The Gateway API Inference Extension's endpoint picker (spec.gateway): its pods' role label.
+EPP_ROLE = "epp"
 WORKER_HTTP_PORT_NAME = "http"
 KV_SIDE_CHANNEL_PORT_NAME = "kv-side"
 # vLLM's KV-cache event publisher (ZMQ), in the workers of pools routed precise-prefix.
@@ -32,6 +34,10 @@ ANNOTATION_GENERATION_INPUTS = f"{API_GROUP}/generation-inputs"
 ANNOTATION_ROLLOUT_TARGET = f"{API_GROUP}/rollout-target-replicas"
 # Replica counts are written through /scale under this manager, never in the operator's apply set.
 SCALE_FIELD_MANAGER = "splitserve-scaler"
+# The decode pods' pd-sidecar port (spec.gateway, disaggregated mode): the InferencePool's target.
+PD_SIDECAR_PORT_NAME = "pd-proxy"
+INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
+HTTP_ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 
 # Every kind of child the builders emit, as (group, version, plural): the operator watches and
 # indexes each by owner. Kinds whose CRD is absent (KEDA, prometheus-operator) are simply not served.
@@ -47,6 +53,8 @@ CHILD_RESOURCES: list[tuple[str, str, str]] = [
     ("monitoring.coreos.com", "v1", "podmonitors"),
     ("keda.sh", "v1alpha1", "scaledobjects"),
     ("autoscaling", "v2", "horizontalpodautoscalers"),
+    ("inference.networking.k8s.io", "v1", "inferencepools"),
+    ("gateway.networking.k8s.io", "v1", "httproutes"),
 ]
 
 
@@ -87,6 +95,19 @@ def generation_pool_name(owner_name: str, role: Role | str, generation: str) -> 
 
 def router_name(owner_name: str) -> str:
     return f"{owner_name}-{ROUTER_ROLE}"
+
+
+def epp_name(owner_name: str) -> str:
+    """The endpoint picker's Deployment, Service (the InferencePool's endpointPickerRef) and RBAC."""
+    return f"{owner_name}-{EPP_ROLE}"
+
+
+DECODE_SIDECAR_ACCOUNT_SUFFIX = "-decode-sidecar"
+
+
+def decode_sidecar_account(owner_name: str) -> str:
+    """The decode pods' ServiceAccount when they carry the pd-sidecar, which reads the pods' generations."""
+    return owner_name + DECODE_SIDECAR_ACCOUNT_SUFFIX
 
 
 def prefill_service_name(owner_name: str) -> str:

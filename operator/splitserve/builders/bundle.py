@@ -8,8 +8,14 @@ from typing import Any
 from splitserve.api.topology import router_name, worker_roles
 from splitserve.builders.autoscalers import autoscaler_objects, is_autoscaler
 from splitserve.builders.disruption import build_pdbs
+from splitserve.builders.gateway import (
+    build_gateway_deployments,
+    build_gateway_rbac,
+    build_gateway_routing,
+    build_gateway_services,
+)
 from splitserve.builders.monitoring import build_monitors
-from splitserve.builders.network import build_network_policy
+from splitserve.builders.network import build_epp_network_policy, build_network_policy
 from splitserve.builders.router import build_router_deployment, build_router_rbac, build_router_service
 from splitserve.builders.services import build_worker_services
 from splitserve.builders.target import Target, metadata
@@ -20,13 +26,19 @@ def build_children(target: Target) -> list[dict[str, Any]]:
     """The desired children. Order matters for a first apply: RBAC and Services before pods."""
     return [
         *build_router_rbac(target),
+        *build_gateway_rbac(target),
         *build_worker_services(target),
         build_router_service(target),
+        *build_gateway_services(target),
         *build_worker_deployments(target),
         build_router_deployment(target),
+        *build_gateway_deployments(target),
         *build_pdbs(target),
         build_network_policy(target),
+        *build_epp_network_policy(target),
         *build_monitors(target),
+        # After the picker's Service: a Gateway resolves the pool's endpointPickerRef at once.
+        *build_gateway_routing(target),
         *_autoscaler_objects(target),
     ]
 

@@ -5,7 +5,9 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.api.topology import (
+    EPP_ROLE,
     ROUTER_ROLE,
+    epp_name,
     pool_name,
     router_name,
     selector_labels,
@@ -15,17 +17,19 @@ from splitserve.builders.target import Target, metadata
 
 
 def build_pdbs(target: Target) -> list[dict[str, Any]]:
-    """One PDB per pool: voluntary evictions take at most one pod of a pool at a time."""
+    """One PDB per pool (and the router, the endpoint picker): voluntary evictions take at most one pod
+    of a pool at a time."""
     name = target.owner.name
-    components: list[str] = [*(str(role) for role in worker_roles(target.spec)), ROUTER_ROLE]
+    names = {str(role): pool_name(name, role) for role in worker_roles(target.spec)}
+    names[ROUTER_ROLE] = router_name(name)
+    if target.spec.gateway is not None:
+        names[EPP_ROLE] = epp_name(name)
     return [
         {
             "apiVersion": "policy/v1",
             "kind": "PodDisruptionBudget",
-            "metadata": metadata(
-                target, router_name(name) if component == ROUTER_ROLE else pool_name(name, component), component
-            ),
+            "metadata": metadata(target, pdb_name, component),
             "spec": {"maxUnavailable": 1, "selector": {"matchLabels": selector_labels(name, component)}},
         }
-        for component in components
+        for component, pdb_name in names.items()
     ]

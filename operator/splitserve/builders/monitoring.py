@@ -1,4 +1,5 @@
-"""prometheus-operator objects: a ServiceMonitor for the router, a PodMonitor for the workers.
+"""prometheus-operator objects: a ServiceMonitor for the router (and one for the endpoint picker with
+spec.gateway), a PodMonitor for the workers.
 
 Relabelling copies the pods' splitserve labels into `deployment` and `role`, the labels the
 autoscaler's and the diagnosis' PromQL select on; worker series also get `generation` (the pod's KV
@@ -12,13 +13,16 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.api.topology import (
+    EPP_ROLE,
     LABEL_DEPLOYMENT,
     LABEL_GENERATION,
     LABEL_ROLE,
     ROUTER_ROLE,
     WORKER_HTTP_PORT_NAME,
+    epp_name,
     router_name,
 )
+from splitserve.builders.gateway import EPP_METRICS_PORT_NAME
 from splitserve.builders.target import Target, metadata
 
 
@@ -42,15 +46,18 @@ def build_monitors(target: Target) -> list[dict[str, Any]]:
     name = target.owner.name
     interval = f"{monitoring.interval_seconds}s"
     extra = dict(monitoring.labels)
-    service_monitor = {
-        "apiVersion": "monitoring.coreos.com/v1",
-        "kind": "ServiceMonitor",
-        "metadata": metadata(target, router_name(name), ROUTER_ROLE, **extra),
-        "spec": {
-            "selector": {"matchLabels": {LABEL_DEPLOYMENT: name, "app.kubernetes.io/component": ROUTER_ROLE}},
-            "endpoints": [{"port": "http", "path": "/metrics", "interval": interval, "relabelings": _relabelings()}],
-        },
-    }
+
+    def service_monitor(monitor_name: str, component: str, port: str) -> dict[str, Any]:
+        return {
+            "apiVersion": "monitoring.coreos.com/v1",
+            "kind": "ServiceMonitor",
+            "metadata": metadata(target, monitor_name, component, **extra),
+            "spec": {
+                "selector": {"matchLabels": {LABEL_DEPLOYMENT: name, "app.kubernetes.io/component": component}},
+                "endpoints": [{"port": port, "path": "/metrics", "interval": interval, "relabelings": _relabelings()}],
+            },
+        }
+
     pod_monitor = {
         "apiVersion": "monitoring.coreos.com/v1",
         "kind": "PodMonitor",
@@ -58,7 +65,7 @@ def build_monitors(target: Target) -> list[dict[str, Any]]:
         "spec": {
             "selector": {
                 "matchLabels": {LABEL_DEPLOYMENT: name},
-                "matchExpressions": [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ROUTER_ROLE]}],
+                "matchExpressions": [{"key": LABEL_ROLE, "operator": "NotIn", "values": [ROUTER_ROLE, EPP_ROLE]}],
             },
             "podMetricsEndpoints": [
                 {
@@ -70,4 +77,7 @@ def build_monitors(target: Target) -> list[dict[str, Any]]:
             ],
         },
     }
-    return [service_monitor, pod_monitor]
+    monitors = [service_monitor(router_name(name), ROUTER_ROLE, "http"), pod_monitor]
+    if target.spec.gateway is not None:
+        monitors.append(service_monitor(epp_name(name), EPP_ROLE, EPP_METRICS_PORT_NAME))
+    return monitors

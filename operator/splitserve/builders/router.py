@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
@@ -15,8 +16,7 @@ from splitserve.api.topology import (
     selector_labels,
 )
 from splitserve.builders.target import Target, metadata
-from splitserve.builders.vllm_args import model_location
-from splitserve.builders.workers import model_volume
+from splitserve.builders.vllm_args import model_location, model_volume
 
 ROUTER_CONTAINER_PORT = 8000
 # The router runs the operator image, whose non-root user has these ids (deploy/images/Dockerfile.operator;
@@ -30,7 +30,6 @@ def router_args(spec: InferenceDeploymentSpec, *, host: str, port: int, workers:
     policies, admission and timeouts of `spec.router`. The Deployment's container and `splitserve up`
     both start the router with these."""
     router = spec.router
-    timeouts = router.timeouts
     return [
         f"--host={host}",
         f"--port={port}",
@@ -39,12 +38,21 @@ def router_args(spec: InferenceDeploymentSpec, *, host: str, port: int, workers:
         f"--prefill-policy={router.routing_policy.prefill}",
         f"--decode-policy={router.routing_policy.decode}",
         f"--queue-limit={router.admission_queue_limit}",
-        f"--queue-timeout={timeouts.queue_seconds:g}",
+        f"--queue-timeout={router.timeouts.queue_seconds:g}",
+        *leg_timeout_args(spec),
+        f"--disagg-threshold-tokens={router.disaggregation_threshold_tokens}",
+    ]
+
+
+def leg_timeout_args(spec: InferenceDeploymentSpec) -> list[str]:
+    """The timeouts of a request's legs (spec.router.timeouts), for whatever runs them: the router, or
+    the decode pods' pd-sidecar behind a Gateway."""
+    timeouts = spec.router.timeouts
+    return [
         f"--connect-timeout={timeouts.connect_seconds:g}",
         f"--prefill-timeout={timeouts.prefill_seconds:g}",
         f"--decode-timeout={timeouts.first_token_seconds:g}",
         f"--request-timeout={timeouts.request_seconds:g}",
-        f"--disagg-threshold-tokens={router.disaggregation_threshold_tokens}",
     ]
 
 
@@ -78,6 +86,39 @@ def router_tokenizer(spec: InferenceDeploymentSpec) -> str | None:
     return model_location(spec)
 
 
+@dataclass(frozen=True)
+class TokenizerVolume:
+    """The model claim mounted read-only, and the tokenizer directory in it (--tokenizer)."""
+
+    path: str
+    volume: dict[str, Any]
+    mount: dict[str, Any]
+
+
+def tokenizer_volume(spec: InferenceDeploymentSpec) -> TokenizerVolume | None:
+    """What a router or endpoint picker pod mounts to tokenize as the engine does; None when it gets no
+    tokenizer (router_tokenizer), so its pods never depend on the claim (a ReadWriteOnce claim would pin
+    them to its node)."""
+    path = router_tokenizer(spec)
+    model = model_volume(spec)
+    if path is None or model is None:
+        return None
+    return TokenizerVolume(path, *model)
+
+
+def image_security_context() -> dict[str, Any]:
+    """The operator image's containers (router, endpoint picker, pd-sidecar): its non-root user, nothing more."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": IMAGE_USER_ID,
+        "runAsGroup": IMAGE_USER_ID,
+        "readOnlyRootFilesystem": True,
+        "allowPrivilegeEscalation": False,
+        "capabilities": {"drop": ["ALL"]},
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
 def router_processes(cpu: int | str) -> int:
     """Router processes for a CPU request (`--workers`): one per requested core, rounded up.
 
@@ -98,8 +139,26 @@ def router_container_args(target: Target) -> list[str]:
     workers = pod_discovery_args(target)
     args = ["router", *router_args(spec, host="0.0.0.0", port=ROUTER_CONTAINER_PORT, workers=workers)]
     args.append(f"--workers={router_processes(spec.router.cpu)}")
-    tokenizer = router_tokenizer(spec)
-    return [*args, f"--tokenizer={tokenizer}"] if tokenizer is not None else args
+    tokenizer = tokenizer_volume(spec)
+    return [*args, f"--tokenizer={tokenizer.path}"] if tokenizer is not None else args
+
+
+def front_pod_spec(spec: InferenceDeploymentSpec, account: str, container: dict[str, Any]) -> dict[str, Any]:
+    """The pod of a front that picks workers (the router, the endpoint picker): its account, and the
+    workers' model volume read-only when it tokenizes (mounted into `container`)."""
+    pod_spec: dict[str, Any] = {
+        "serviceAccountName": account,
+        "containers": [container],
+        # Long enough for in-flight streams to finish after SIGTERM (the router drains; a Gateway keeps
+        # a request's ext_proc stream with the picker open until its response ends).
+        "terminationGracePeriodSeconds": int(spec.router.timeouts.request_seconds) + 10,
+        "enableServiceLinks": False,
+    }
+    tokenizer = tokenizer_volume(spec)
+    if tokenizer is not None:
+        pod_spec["volumes"] = [tokenizer.volume]
+        container["volumeMounts"] = [tokenizer.mount]
+    return pod_spec
 
 
 def build_router_deployment(target: Target) -> dict[str, Any]:
@@ -121,29 +180,9 @@ def build_router_deployment(target: Target) -> dict[str, Any]:
         # requests into its queue (that queue is what scales decode back up).
         "readinessProbe": probe,
         "livenessProbe": probe | {"failureThreshold": 6},
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": IMAGE_USER_ID,
-            "runAsGroup": IMAGE_USER_ID,
-            "readOnlyRootFilesystem": True,
-            "allowPrivilegeEscalation": False,
-            "capabilities": {"drop": ["ALL"]},
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": image_security_context(),
     }
-    pod_spec: dict[str, Any] = {
-        "serviceAccountName": router_name(name),
-        "containers": [container],
-        # Long enough for in-flight streams to finish after SIGTERM (the router drains).
-        "terminationGracePeriodSeconds": int(spec.router.timeouts.request_seconds) + 10,
-        "enableServiceLinks": False,
-    }
-    model = model_volume(spec)
-    if model is not None and router_tokenizer(spec) is not None:
-        # The workers' model volume, read-only, for the tokenizer; absent otherwise, so routers of
-        # other specs never depend on the claim (a ReadWriteOnce claim would pin them to its node).
-        pod_spec["volumes"] = [model[0]]
-        container["volumeMounts"] = [model[1]]
+    pod_spec = front_pod_spec(spec, router_name(name), container)
     deployment_spec: dict[str, Any] = {
         "selector": {"matchLabels": selector_labels(name, ROUTER_ROLE)},
         "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxSurge": 1, "maxUnavailable": 0}},
@@ -176,17 +215,22 @@ def build_router_service(target: Target) -> dict[str, Any]:
 
 def build_router_rbac(target: Target) -> list[dict[str, Any]]:
     """ServiceAccount, Role and RoleBinding: the router only reads the Pods of its namespace."""
-    name = router_name(target.owner.name)
+    return pod_reader_rbac(target, router_name(target.owner.name), ROUTER_ROLE)
+
+
+def pod_reader_rbac(target: Target, name: str, component: str) -> list[dict[str, Any]]:
+    """A ServiceAccount `name` that may only read the Pods of the namespace, as pods discovery does
+    (the router, the endpoint picker, the decode pods' pd-sidecar)."""
     return [
         {
             "apiVersion": "v1",
             "kind": "ServiceAccount",
-            "metadata": metadata(target, name, ROUTER_ROLE),
+            "metadata": metadata(target, name, component),
         },
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "Role",
-            "metadata": metadata(target, name, ROUTER_ROLE),
+            "metadata": metadata(target, name, component),
             # Pods discovery lists and watches Pods by the deployment label (a Role cannot narrow it
             # to a label: it is every Pod of the namespace, read-only).
             "rules": [{"apiGroups": [""], "resources": ["pods"], "verbs": ["get", "list", "watch"]}],
@@ -194,7 +238,7 @@ def build_router_rbac(target: Target) -> list[dict[str, Any]]:
         {
             "apiVersion": "rbac.authorization.k8s.io/v1",
             "kind": "RoleBinding",
-            "metadata": metadata(target, name, ROUTER_ROLE),
+            "metadata": metadata(target, name, component),
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": name},
             "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": target.owner.namespace}],
         },

@@ -57,6 +57,18 @@ def model_location(spec: InferenceDeploymentSpec) -> str:
     raise ValueError("model.source needs exactly one of huggingFace, pvc or uri")
 
 
+def model_volume(spec: InferenceDeploymentSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
+    """The model PVC as a pod volume and its read-only mount at MODEL_MOUNT_PATH; None for other sources.
+
+    Workers mount it to load the weights; the router and the endpoint picker mount the same volume to read the
+    tokenizer."""
+    pvc = spec.model.source.pvc
+    if pvc is None:
+        return None
+    volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}}
+    return volume, {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}
+
+
 def _json(value: dict[str, Any]) -> str:
     # Compact and key-ordered by construction, so rendered manifests do not churn.
     return json.dumps(value, separators=(",", ":"))

@@ -19,14 +19,16 @@ from splitserve.api.topology import (
     KV_EVENTS_PORT_NAME,
     KV_SIDE_CHANNEL_PORT_NAME,
     WORKER_HTTP_PORT_NAME,
+    decode_sidecar_account,
     generation_pool_name,
     publishes_kv_events,
     role_pool,
     worker_pod_labels,
     worker_selector_labels,
 )
+from splitserve.builders.gateway import PD_SIDECAR_EXIT_SECONDS, has_pd_sidecar, pd_sidecar_container
 from splitserve.builders.target import Target, metadata
-from splitserve.builders.vllm_args import MODEL_MOUNT_PATH, build_engine_launch
+from splitserve.builders.vllm_args import build_engine_launch, model_volume
 
 HF_CACHE_PATH = "/var/cache/huggingface"
 # Time for the router's pod watch to see a terminating pod before the engine stops taking
@@ -82,17 +84,6 @@ def _volumes(spec: InferenceDeploymentSpec, pool: PoolSpec) -> tuple[list[dict[s
         volumes.append(model[0])
         mounts.append(model[1])
     return volumes, mounts
-
-
-def model_volume(spec: InferenceDeploymentSpec) -> tuple[dict[str, Any], dict[str, Any]] | None:
-    """The model PVC as a pod volume and its read-only mount at MODEL_MOUNT_PATH; None for other sources.
-
-    Workers mount it to load the weights; the router mounts the same volume to read the tokenizer."""
-    pvc = spec.model.source.pvc
-    if pvc is None:
-        return None
-    volume = {"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}}
-    return volume, {"name": "model", "mountPath": MODEL_MOUNT_PATH, "readOnly": True}
 
 
 def _probe(path: str, port_name: str, period: int, failures: int) -> dict[str, Any]:
@@ -158,6 +149,12 @@ def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
         "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
         "enableServiceLinks": False,
     }
+    if has_pd_sidecar(target, role):
+        # spec.gateway: the Gateway's requests come in through the pd-sidecar, which reads the Pods
+        # (the prefill pods' generations) with its own ServiceAccount.
+        pod_spec["initContainers"] = [pd_sidecar_container(target)]
+        pod_spec["serviceAccountName"] = decode_sidecar_account(name)
+        pod_spec["terminationGracePeriodSeconds"] += PD_SIDECAR_EXIT_SECONDS
     if pool.node_selector:
         pod_spec["nodeSelector"] = dict(pool.node_selector)
     if pool.tolerations:

@@ -26,14 +26,18 @@ class Write:
     - create: a new worker pool, sized by the scaler's field manager (the operator's apply set never
       holds spec.replicas, see builders.workers);
     - apply: server-side apply of the desired object;
-    - scale: `replicas` through /scale.
+    - scale: `replicas` through /scale;
+    - patch: a JSON patch (`ops`) removing what the operator added to a worker pool and no longer wants.
+      A pool created by the scaler's manager keeps every field it was created with even when the
+      operator's apply leaves it out (both managers own it); only a non-apply write removes it.
     """
 
-    verb: Literal["create", "apply", "scale"]
+    verb: Literal["create", "apply", "scale", "patch"]
     obj: Mapping[str, Any]
     replicas: int | None = None
     reason: str = ""  # the Event's reason, "" for none
     message: str = ""
+    ops: tuple[Mapping[str, Any], ...] = ()
 
 
 def key_of(obj: Mapping[str, Any]) -> ChildKey:

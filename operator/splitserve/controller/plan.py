@@ -22,6 +22,7 @@ from splitserve.api.status import (
 )
 from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
+    DECODE_SIDECAR_ACCOUNT_SUFFIX,
     ROUTER_ROLE,
     Owner,
     prefill_service_name,
@@ -31,6 +32,7 @@ from splitserve.api.topology import (
     worker_roles,
 )
 from splitserve.builders.bundle import child_key
+from splitserve.builders.gateway import PD_SIDECAR_CONTAINER
 from splitserve.controller.children import ChildKey, Children, Write, owned_by, worker_pools, worker_role
 from splitserve.controller.drift import contains
 from splitserve.controller.rollout import RolloutPlan, with_generations
@@ -53,15 +55,22 @@ __all__ = [
 ]
 
 # Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend, KV
-# generation): these are pruned; the others always exist with a fixed name.
+# generation, gateway): these are pruned. Every kind the builders emit is: with spec.gateway removed,
+# even its ServiceAccounts, Roles and NetworkPolicy go.
 PRUNABLE_KINDS: list[tuple[str, str]] = [
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
+    ("v1", "ServiceAccount"),
+    ("rbac.authorization.k8s.io/v1", "Role"),
+    ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("policy/v1", "PodDisruptionBudget"),
+    ("networking.k8s.io/v1", "NetworkPolicy"),
     ("monitoring.coreos.com/v1", "ServiceMonitor"),
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("keda.sh/v1alpha1", "ScaledObject"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"),
+    ("inference.networking.k8s.io/v1", "InferencePool"),
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"),
 ]
 
 
@@ -93,7 +102,35 @@ def plan_writes(
             resize = rollout_size(observed, sizes[name]) if name in sizes else plan_size(spec, role, child, observed)
             if resize is not None:
                 writes.append(resize)
+            ops = stale_pd_sidecar_ops(observed, child)
+            if ops:
+                message = f"removed the {PD_SIDECAR_CONTAINER} from {child['kind']} {name}"
+                writes.append(Write("patch", child, None, "Updated", message, ops=tuple(ops)))
     return writes
+
+
+def stale_pd_sidecar_ops(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """JSON patch ops removing the pd-sidecar (spec.gateway) and its ServiceAccount from a worker pool's
+    pod template that no longer wants them; [] when there is nothing of it to remove. Only what the
+    operator put there, each guarded by a `test` op, so nobody else's init container is touched."""
+    have = observed.get("spec", {}).get("template", {}).get("spec", {})
+    want = desired["spec"]["template"]["spec"]
+    base = "/spec/template/spec"
+    ops: list[dict[str, Any]] = []
+    present = [container.get("name") for container in have.get("initContainers", [])]
+    if PD_SIDECAR_CONTAINER in present and PD_SIDECAR_CONTAINER not in {
+        c["name"] for c in want.get("initContainers", [])
+    }:
+        index = present.index(PD_SIDECAR_CONTAINER)
+        path = f"{base}/initContainers/{index}"
+        ops.append({"op": "test", "path": f"{path}/name", "value": PD_SIDECAR_CONTAINER})
+        # The whole list when it was the only one: a pod spec holds no empty initContainers.
+        ops.append({"op": "remove", "path": path if len(present) > 1 else f"{base}/initContainers"})
+    account = have.get("serviceAccountName")
+    if account is not None and account.endswith(DECODE_SIDECAR_ACCOUNT_SUFFIX) and "serviceAccountName" not in want:
+        path = f"{base}/serviceAccountName"
+        ops += [{"op": "test", "path": path, "value": account}, {"op": "remove", "path": path}]
+    return ops
 
 
 def rollout_size(observed: Mapping[str, Any], wanted: int) -> Write | None:

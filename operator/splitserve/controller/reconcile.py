@@ -276,6 +276,11 @@ class Reconciler:
                 self.cache.wrote((await self.kube.apply(without_size))[0])
         elif write.verb == "apply":
             self.cache.wrote((await self.kube.apply(obj))[0])
+        elif write.verb == "patch":
+            ops = [dict(op) for op in write.ops]
+            self.cache.wrote(
+                await self.kube.json_patch(obj["apiVersion"], obj["kind"], meta["namespace"], meta["name"], ops)
+            )
         else:
             assert write.replicas is not None
             scale = await self.kube.scale(

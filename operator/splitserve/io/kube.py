@@ -34,6 +34,8 @@ PLURALS: dict[tuple[str, str], str] = {
     ("monitoring.coreos.com/v1", "PodMonitor"): "podmonitors",
     ("keda.sh/v1alpha1", "ScaledObject"): "scaledobjects",
     ("autoscaling/v2", "HorizontalPodAutoscaler"): "horizontalpodautoscalers",
+    ("inference.networking.k8s.io/v1", "InferencePool"): "inferencepools",
+    ("gateway.networking.k8s.io/v1", "HTTPRoute"): "httproutes",
     ("splitserve.io/v1alpha1", "InferenceDeployment"): "inferencedeployments",
 }
 
@@ -135,6 +137,20 @@ class KubeClient:
             resource_path(obj["apiVersion"], obj["kind"], meta["namespace"]),
             params={"fieldManager": field_manager},
             json=obj,
+        )
+        result: dict[str, Any] = response.json()
+        return result
+
+    async def json_patch(
+        self, api_version: str, kind: str, namespace: str, name: str, ops: list[dict[str, Any]]
+    ) -> dict[str, Any]:
+        """A JSON patch (RFC 6902) as the operator; a failed `test` op answers 422."""
+        response = await self._request(
+            "PATCH",
+            resource_path(api_version, kind, namespace, name),
+            params={"fieldManager": FIELD_MANAGER},
+            content=json.dumps(ops),
+            headers={"Content-Type": "application/json-patch+json"},
         )
         result: dict[str, Any] = response.json()
         return result

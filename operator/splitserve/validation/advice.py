@@ -23,7 +23,23 @@ QUEUE_FIELD = "spec.router.timeouts.queueSeconds"
 
 def spec_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
     """What to change in one (valid) spec, one Problem per warning."""
-    return [*_cold_start_advice(spec, label), *_precise_prefix_advice(spec, label)]
+    return [*_cold_start_advice(spec, label), *_precise_prefix_advice(spec, label), *_gateway_advice(spec, label)]
+
+
+def _gateway_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
+    """Only the router holds a request while the decode pool is at zero; a Gateway has nowhere to send it."""
+    if spec.gateway is None or not spec.autoscaling.enabled or spec.decode.min_replicas != 0:
+        return []
+    return [
+        Problem(
+            label,
+            "spec.decode.minReplicas",
+            "0 with spec.gateway and autoscaling on: while the decode pool is at zero, requests through the "
+            "Gateway fail at once (the endpoint picker has no pod to name; only the router holds requests "
+            "while a worker starts, and only its queue scales the pool back up). Set spec.decode.minReplicas "
+            "to 1, or send the clients that can wait to the router.",
+        )
+    ]
 
 
 def _cold_start_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:

@@ -39,23 +39,25 @@ class Problem:
         return f"{self.document}: {self.path}: {self.message}"
 
 
+def tighten(node: Mapping[str, Any]) -> dict[str, Any]:
+    """A structural schema made strict for offline checks: unknown fields are reported, not pruned (any
+    CRD's: the tests check other projects' custom resources with it too)."""
+    node = dict(node)
+    if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
+        node["properties"] = {k: tighten(v) for k, v in node["properties"].items()}
+        node["additionalProperties"] = False
+    if isinstance(node.get("additionalProperties"), dict):
+        node["additionalProperties"] = tighten(node["additionalProperties"])
+    if isinstance(node.get("items"), dict):
+        node["items"] = tighten(node["items"])
+    if "anyOf" in node:
+        node["anyOf"] = [tighten(option) for option in node["anyOf"]]
+    return node
+
+
 @functools.cache
 def _strict_schema() -> dict[str, Any]:
     """The CRD schema made strict for offline checks: unknown fields are reported, not pruned."""
-
-    def tighten(node: dict[str, Any]) -> dict[str, Any]:
-        node = dict(node)
-        if "properties" in node and not node.get("x-kubernetes-preserve-unknown-fields"):
-            node["properties"] = {k: tighten(v) for k, v in node["properties"].items()}
-            node["additionalProperties"] = False
-        if isinstance(node.get("additionalProperties"), dict):
-            node["additionalProperties"] = tighten(node["additionalProperties"])
-        if isinstance(node.get("items"), dict):
-            node["items"] = tighten(node["items"])
-        if "anyOf" in node:
-            node["anyOf"] = [tighten(option) for option in node["anyOf"]]
-        return node
-
     schema = tighten(openapi_schema())
     schema["properties"]["metadata"] = {
         "type": "object",
@@ -90,24 +92,25 @@ def with_defaults(obj: Mapping[str, Any]) -> dict[str, Any]:
     return defaulted
 
 
-def _rules_at(
+def rules_at(
     schema: Mapping[str, Any], value: Any, old: Any, path: list[Any]
 ) -> Iterator[tuple[dict[str, str], Any, Any, list[Any]]]:
-    """Walk schema and value together, yielding each CEL rule with the value it guards."""
+    """Walk schema and value together, yielding each CEL rule with the value it guards (any CRD's
+    schema: the tests check other projects' custom resources with it too)."""
     for rule in schema.get("x-kubernetes-validations", []):
         yield rule, value, old, path
     if isinstance(value, dict):
         for name, sub in schema.get("properties", {}).items():
             if name in value:
                 sub_old = old.get(name) if isinstance(old, dict) else None
-                yield from _rules_at(sub, value[name], sub_old, [*path, name])
+                yield from rules_at(sub, value[name], sub_old, [*path, name])
         extra = schema.get("additionalProperties")
         if isinstance(extra, dict):
             for name, item in value.items():
-                yield from _rules_at(extra, item, None, [*path, name])
+                yield from rules_at(extra, item, None, [*path, name])
     elif isinstance(value, list) and isinstance(schema.get("items"), dict):
         for index, item in enumerate(value):
-            yield from _rules_at(schema["items"], item, None, [*path, index])
+            yield from rules_at(schema["items"], item, None, [*path, index])
 
 
 @functools.cache
@@ -117,7 +120,7 @@ def _crd_schema() -> dict[str, Any]:
 
 def _cel_problems(obj: dict[str, Any], old: dict[str, Any] | None, label: str) -> list[Problem]:
     problems = []
-    for rule, value, old_value, path in _rules_at(_crd_schema(), obj, old, []):
+    for rule, value, old_value, path in rules_at(_crd_schema(), obj, old, []):
         is_transition = "oldSelf" in rule["rule"]
         if is_transition and old_value is None:
             continue  # transition rules only apply to updates of a field that existed
