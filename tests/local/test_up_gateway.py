@@ -15,7 +15,7 @@ import pytest
 
 from splitserve.gateway.envoy import envoy_binary
 from splitserve.local import cli, gateway
-from testkit.upctl import ENDPOINT_LINE, REPO, UpRun
+from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, run_up
 from tests.local.serving import RESTART_LINE, kill_and_see_it_back, serving
 
 DISAGGREGATED = str(REPO / "deploy/local/tiny-disaggregated.yaml")
@@ -78,6 +78,15 @@ def test_aggregated_the_picker_sends_envoy_to_the_workers_themselves(tmp_path: P
     with _gateway_stack(AGGREGATED, tmp_path) as (up, _, endpoint):
         names = {str(entry["name"]) for entry in up.process_state()}
         assert names == {"worker-0", "router", "epp", "envoy"}, "no sidecar without a prefill pool"
+        _answers(endpoint)
+
+        # Envoy's pool is fixed to the workers it started with: a new generation is refused, not rolled out.
+        fp16 = tmp_path / "fp16.yaml"
+        fp16.write_text(Path(AGGREGATED).read_text().replace("dtype: float32", "dtype: float16"))
+        refused = run_up("--apply", str(fp16), run_dir=tmp_path)
+        assert refused.returncode == 1
+        assert "restart `splitserve up --gateway envoy` for it" in refused.stderr
+        assert {str(entry["name"]) for entry in up.process_state()} == names
         _answers(endpoint)
 
 
