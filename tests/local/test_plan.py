@@ -21,7 +21,7 @@ from splitserve.gateway import epp as epp_cli
 from splitserve.gateway import sidecar as sidecar_cli
 from splitserve.local.changes import Change
 from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment, load_deployment, parse_deployment
-from splitserve.local.gateway import LocalGateway, refusal
+from splitserve.local.gateway import LocalGateway, fail_open, refusal
 from splitserve.local.plan import Engine, PlanInputs, ProcessSpec, plan_processes, resolved_document
 from splitserve.local.supervisor import Progress, Supervisor
 from splitserve.router import cli as router_cli
@@ -274,6 +274,7 @@ def test_disaggregated_a_sidecar_per_decode_worker_the_picker_targets_it_envoy_p
     assert config_doc["admin"]["address"]["socket_address"]["port_value"] == envoy.ready_port
     assert f"port_value: {sidecar.port}" in text and f"port_value: {options.grpc_port}" in text
     assert f"port_value: {decode.port}" not in text, "Envoy reaches the decode worker only through its sidecar"
+    assert "failure_mode_allow: false" in text, "FailClose by default"
 
 
 def test_aggregated_no_sidecar_the_picker_names_the_workers_themselves(tmp_path: Path) -> None:
@@ -289,6 +290,12 @@ def test_vllm_the_picker_and_sidecars_get_the_routers_tokenizer(tmp_path: Path) 
     _, planned, _ = _plan("tiny-disaggregated.yaml", tmp_path, inputs)
     for spec in planned[:2]:
         assert "--tokenizer=/models/tiny" in spec.argv, spec.name
+
+
+def test_the_gateway_fails_closed_unless_the_file_says_fail_open() -> None:
+    assert fail_open(_deployment()) is False
+    assert fail_open(_deployment(gateway={"failureMode": "FailClose"})) is False
+    assert fail_open(_deployment(gateway={"failureMode": "FailOpen"})) is True
 
 
 def test_a_running_gateway_refuses_changes_of_the_decode_workers_only() -> None:

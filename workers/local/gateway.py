@@ -28,9 +28,13 @@ from splitserve.local.ports import LOOPBACK
 from splitserve.local.supervisor import RunningProcess, Supervisor
 
 INSTALL_HINT = "pip install 'splitserve[gateway]'"
-# FailClose, the Gateway API Inference Extension's default: without a picker, a request fails (503)
-# rather than going to a worker the picker did not choose.
-FAIL_OPEN = False
+
+
+def fail_open(deployment: LocalDeployment) -> bool:
+    """spec.gateway.failureMode, FailClose (the Gateway API Inference Extension's default) unless the file
+    sets FailOpen: without a picker, a request fails rather than going to an endpoint Envoy picks."""
+    gateway = deployment.spec.gateway
+    return gateway is not None and gateway.failure_mode == "FailOpen"
 
 
 def missing_envoy() -> str | None:
@@ -82,7 +86,7 @@ class LocalGateway:
                 listen_port=self.ports.listen,
                 admin_port=self.ports.admin,
                 epp_port=self.ports.epp_grpc,
-                fail_open=FAIL_OPEN,
+                fail_open=fail_open(deployment),
                 pool_endpoints=[f"{LOOPBACK}:{spec.port}" for spec in pool],
                 host=LOOPBACK,
             )
