@@ -30,10 +30,10 @@ def test_the_tree_keeps_every_contract() -> None:
 
 
 def _copy_of_the_package(root: Path) -> Path:
-    """splitserve as installed: operator/splitserve with the four workers/ packages inside it."""
+    """splitserve as installed: operator/splitserve with the five workers/ packages inside it."""
     package = root / "splitserve"
     shutil.copytree(REPO / "operator" / "splitserve", package, ignore=shutil.ignore_patterns("__pycache__"))
-    for sub in ("router", "sim", "engine", "local"):
+    for sub in ("router", "sim", "engine", "local", "gateway"):
         shutil.copytree(REPO / "workers" / sub, package / sub, ignore=shutil.ignore_patterns("__pycache__"))
     return package
 

@@ -508,3 +508,30 @@ def test_diff_says_turning_the_gateway_on_rolls_decode_in_the_same_generation(tm
     assert "generation fields changed: none" in text
     assert "gateway.failureMode: (unset) -> FailClose" in text
     assert "pods that roll: decode" in text
+
+
+@pytest.mark.parametrize("mode", ["disaggregated", "aggregated"])
+def test_rendered_picker_and_sidecar_commands_are_what_their_clis_accept(mode: str) -> None:
+    """The args the operator renders go through the real `splitserve epp` / `splitserve sidecar` parsers
+    and the checks their `run` makes, so a flag renamed on one side fails here, not in a crash-looping pod."""
+    from splitserve.gateway import epp as epp_cli
+    from splitserve.gateway import sidecar as sidecar_cli
+
+    children = _by_name(gateway_doc(mode))
+    parser = argparse.ArgumentParser()
+    epp_cli.configure(parser)
+    picker_args = epp(children)["args"]
+    config, options = epp_cli.options_from_args(parser.parse_args(picker_args[1:]))
+    assert options.target_port == (PD_SIDECAR_PORT if mode == "disaggregated" else 8000)
+    assert config.deployment == "demo" and config.has_prefill_source == (mode == "disaggregated")
+    if mode == "aggregated":
+        return
+    (decode,) = [child for key, child in children.items() if key.startswith("Deployment/demo-decode-")]
+    container = sidecar(decode)
+    # The kubelet expands $(SPLITSERVE_GENERATION) from the pod's own label.
+    rendered = [a.replace("$(SPLITSERVE_GENERATION)", "gen-1") for a in container["args"][1:]]
+    parser = argparse.ArgumentParser()
+    sidecar_cli.configure(parser)
+    sidecar_config, local, generation = sidecar_cli.config_from_args(parser.parse_args(rendered))
+    assert (local, generation) == ("http://127.0.0.1:8000", "gen-1")
+    assert sidecar_config.prefill_from_header and sidecar_config.port == PD_SIDECAR_PORT

@@ -16,9 +16,12 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-import cel
 import jsonschema
 import yaml
+
+# The extension module itself, not the package: xds-protos (Envoy's protos, for `splitserve epp`) ships
+# cel/expr and an empty cel/__init__.py that may replace common-expression-language's when installed after it.
+from cel.cel import evaluate as cel_evaluate
 
 from splitserve.validation.checker import rules_at, tighten
 
@@ -70,7 +73,7 @@ def upstream_problems(obj: Mapping[str, Any]) -> list[str]:
         if "oldSelf" in rule["rule"]:
             continue  # transition rules: only on updates
         try:
-            ok = cel.evaluate(rule["rule"], {"self": value})
+            ok = cel_evaluate(rule["rule"], {"self": value})
         except Exception as error:  # a rule this CEL library cannot run must not pass silently
             problems.append(f"{path}: cannot evaluate {rule['rule']!r}: {error}")
             continue

@@ -15,9 +15,12 @@ from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from typing import Any
 
-import cel
 import jsonschema
 import yaml
+
+# The extension module itself, not the package: xds-protos (Envoy's protos, for `splitserve epp`) ships
+# cel/expr and an empty cel/__init__.py that may replace common-expression-language's when installed after it.
+from cel.cel import evaluate as cel_evaluate
 
 from splitserve.api.base import API_GROUP, API_VERSION, KIND
 from splitserve.api.crd import openapi_schema
@@ -128,7 +131,7 @@ def _cel_problems(obj: dict[str, Any], old: dict[str, Any] | None, label: str) -
         if is_transition:
             context["oldSelf"] = old_value
         try:
-            ok = cel.evaluate(rule["rule"], context)
+            ok = cel_evaluate(rule["rule"], context)
         except Exception as error:  # a rule that cannot evaluate is a bug in our CRD, say so plainly
             problems.append(Problem(label, _json_path(path), f"rule {rule['rule']!r} failed to evaluate: {error}"))
             continue
