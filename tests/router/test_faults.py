@@ -248,3 +248,49 @@ async def test_two_thousand_mixed_requests_none_lost() -> None:
             )
             assert router.decode.inflight == 0 and router.prefill.inflight == 0
             assert router.budget.waiting == 0
+
+
+async def test_a_client_leaving_right_after_done_had_the_whole_answer() -> None:
+    """vLLM ends a stream with ``data: [DONE]`` and then, in its own write, the body's last chunk. A
+    client (or a proxy: Envoy in front of a sidecar) that closes on [DONE] got the whole answer: that is
+    a success, not a 499."""
+    from aiohttp import web
+
+    release = asyncio.Event()
+
+    async def stream(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream"})
+        await response.prepare(request)
+        await response.write(b'data: {"choices":[{"text":"hi"}]}\n\n')
+        await response.write(b"data: [DONE]\n\n")
+        await release.wait()  # the body's end comes later
+        await response.write_eof()
+        return response
+
+    app = web.Application()
+    app.router.add_post("/v1/completions", stream)
+    runner = web.AppRunner(app)
+    await runner.setup()
+    site = web.TCPSite(runner, "127.0.0.1", 0)
+    await site.start()
+    port = site._server.sockets[0].getsockname()[1]  # type: ignore[union-attr]
+    try:
+        config = router_config(decode_urls=(f"http://127.0.0.1:{port}",), model=None)
+        async with running_router(config) as (router, url):
+            body = orjson.dumps({**COMPLETION, "stream": True})
+            reader, writer = await asyncio.open_connection("127.0.0.1", int(url.rsplit(":", 1)[1]))
+            writer.write(
+                b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                + f"Content-Length: {len(body)}\r\n\r\n".encode() + body
+            )  # fmt: skip
+            received = b""
+            while b"data: [DONE]" not in received:
+                received += await reader.read(4096)
+            writer.close()
+            await wait_until(lambda: router.decode.inflight == 0)
+            labels = {"mode": "aggregated"}
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "success", **labels}) == 1
+            assert metric_value(router, "splitserve_router_requests_total", {"outcome": "cancelled", **labels}) == 0
+    finally:
+        release.set()
+        await runner.cleanup()

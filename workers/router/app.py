@@ -346,8 +346,13 @@ class Router:
                 outcome, handling = ctx.outcome, ctx.handling
             raise
         except (asyncio.CancelledError, ClientGone):
-            outcome, status = Outcome.CANCELLED, 499
             handling = ctx.handling if ctx is not None else Handling.NONE
+            if ctx is not None and ctx.answered:
+                # The client left after the stream's last event (clients and proxies may close on
+                # [DONE], before the empty chunk that ends the body): it had the whole answer.
+                outcome, status = Outcome.SUCCESS, 200
+            else:
+                outcome, status = Outcome.CANCELLED, 499
             raise
         finally:
             elapsed = time.monotonic() - started

@@ -100,6 +100,8 @@ class RequestContext:
     fallback_reason: str | None = None
     ttft: float | None = None
     completion_tokens: int | None = None
+    # A stream's final event (data: [DONE]) has been sent to the client.
+    answered: bool = False
 
 
 class _Retriable(Exception):
@@ -447,6 +449,7 @@ class Flow:
         chunk, last, tokens = first, now, count_streamed_tokens(first)
         ended = upstream.at_eof()  # the whole answer came at once (short answers): one write
         http_request.start_stream(upstream.status, headers, chunk, framed, end=ended)
+        ctx.answered = b"data: [DONE]" in chunk
         while not ended:
             try:
                 chunk = await read()
@@ -472,6 +475,8 @@ class Flow:
                 await http_request.finish(chunk, framed)
                 break
             await http_request.write(chunk, framed)
+            if b"data: [DONE]" in chunk:
+                ctx.answered = True
         ctx.completion_tokens = max(0, tokens)
         metrics.output_tokens.observe(ctx.completion_tokens)
 
