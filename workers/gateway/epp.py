@@ -61,7 +61,6 @@ class PickerServer:
         self.health = health_aio.HealthServicer()
         self.grpc_port = 0
         self.http_port = 0
-        self._watch: asyncio.Task[None] | None = None
 
     async def start(self, host: str, http_port: int) -> None:
         self.http_port = await self.http.start(host, http_port)
@@ -74,27 +73,13 @@ class PickerServer:
             raise OSError(f"cannot listen on {host}:{self._options.grpc_port} for gRPC")
         await server.start()
         self.grpc = server
+        # Ready from the start and until draining, with or without a ready pod: the picker itself holds a
+        # request while none is ready (scale from zero) and answers 503 when none comes, which tells the
+        # client more than a Gateway whose picker Service has no endpoints.
         for service in HEALTH_SERVICES:
             await self.health.set(service, health_pb2.HealthCheckResponse.SERVING)
-        self._watch = asyncio.get_running_loop().create_task(self._follow_readiness())
-
-    async def _follow_readiness(self) -> None:
-        # Ready while not draining and at least one decode worker is up: a gateway in front of a
-        # picker that can only answer 503 is better told (the readiness service) than surprised.
-        serving = health_pb2.HealthCheckResponse.SERVING
-        not_serving = health_pb2.HealthCheckResponse.NOT_SERVING
-        last = None
-        while True:
-            ready = self.router.ready
-            if ready != last:
-                for service in ("readiness", EXT_PROC_SERVICE):
-                    await self.health.set(service, serving if ready else not_serving)
-                last = ready
-            await asyncio.sleep(0.2)
 
     async def shutdown(self, grace_seconds: float) -> None:
-        if self._watch is not None:
-            self._watch.cancel()
         self.router.draining = True
         await self.health.enter_graceful_shutdown()
         if self.grpc is not None:
