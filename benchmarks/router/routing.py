@@ -22,10 +22,15 @@ request by request, as a Kubernetes Service without session affinity would):
   * splitserve round-robin, prefix-aware (the approximate table of what it sent), precise-prefix
     (the index built from the engines' KV events);
   * vllm-router ``cache_aware`` (its approximate radix tree of the prompts it sent), regular mode,
-    ``--worker-urls``.
+    ``--worker-urls``;
+  * the gateway (``gateway:POLICY``, one replica only; skipped without Envoy): Envoy
+    (``--concurrency 1``) in front of ``splitserve epp`` with the router's flags and policy, the
+    workers as the pool's endpoints (aggregated: no sidecars). Its hit rate beside the router's with
+    the same policy says whether the picker places requests as the router does.
 
-``--smoke``: splitserve prefix-aware and precise-prefix, one replica, 2 workers, 2 seconds of a small
-trace, no vllm-router; the JSON to ``--out`` (a temporary file without it, never the committed results).
+``--smoke``: splitserve prefix-aware and precise-prefix (or the ``--routers`` named), one replica, 2 workers,
+2 seconds of a small trace, no vllm-router; the JSON to ``--out`` (a temporary file without it, never the
+committed results).
 """
 
 from __future__ import annotations
@@ -48,11 +53,14 @@ REPO = Path(__file__).resolve().parents[2]
 if str(REPO) not in sys.path:  # run as a script: `python benchmarks/router/routing.py`
     sys.path.insert(0, str(REPO))
 
+from benchmarks.router import gateway  # noqa: E402
 from benchmarks.router.bench import LOG_DIR, hit_rate, markdown_table, percentile, start, stop  # noqa: E402
 from splitserve.local.ports import free_port  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 MODEL = "sim-model"
+ROUTERS = ["splitserve:round-robin", "splitserve:prefix-aware", "splitserve:precise-prefix", "vllm-router:cache_aware",
+           "gateway:prefix-aware", "gateway:precise-prefix"]  # fmt: skip
 # --smoke: a few seconds of the same kind of run (flags as on the command line, applied over the parsed ones).
 SMOKE = {
     "vllm_router": None,
@@ -207,8 +215,18 @@ def start_workers(args: argparse.Namespace, tokenizer: Path) -> tuple[subprocess
 
 def start_router(
     kind: str, policy: str, workers: list[str], args: argparse.Namespace, tokenizer: Path, processes: int = 1
-) -> tuple[subprocess.Popen[bytes], str]:
+) -> tuple[list[subprocess.Popen[bytes]], str, list[str]]:
+    """The router's processes, its URL, and URLs to wait for (GET 200) before the trace starts."""
     port = free_port()
+    if kind == "gateway":
+        # Envoy + `splitserve epp` with the router's flags; aggregated workers, so no sidecars: the
+        # pool's endpoints are the workers themselves. One Envoy worker thread (~20 req/s here).
+        path = gateway.start_gateway(
+            lambda argv: start(argv, core=None, nice=args.nice), workers, [],
+            ["--decode-policy", policy, "--model", MODEL, "--tokenizer", str(tokenizer)],
+            concurrency=1, config_dir=LOG_DIR,
+        )  # fmt: skip
+        return path.all(), path.url, [path.epp_url + "/ready", path.admin_url + "/ready"]
     if kind == "splitserve":
         argv = [sys.executable, "-m", "splitserve.cli", "router", "--host", "127.0.0.1", "--port", str(port),
                 "--decode", ",".join(workers), "--decode-policy", policy, "--model", MODEL, "--workers", str(processes),
@@ -216,7 +234,7 @@ def start_router(
     else:
         argv = [args.vllm_router, "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *workers,
                 "--policy", policy, "--prometheus-port", str(free_port()), "--log-level", "warning"]  # fmt: skip
-    return start(argv, core=None, nice=args.nice), f"http://127.0.0.1:{port}"
+    return [start(argv, core=None, nice=args.nice)], f"http://127.0.0.1:{port}", []
 
 
 async def run_one(kind: str, policy: str, layout: str, args: argparse.Namespace, tokenizer: Path) -> dict[str, object]:
@@ -229,10 +247,14 @@ async def run_one(kind: str, policy: str, layout: str, args: argparse.Namespace,
         for url in workers:
             await ready(url)
         urls = []
+        waits: list[str] = []
         for _ in range(int(replicas)):
-            process, url = start_router(kind, policy, workers, args, tokenizer, int(processes or 1))
-            routers.append(process)
+            started, url, before = start_router(kind, policy, workers, args, tokenizer, int(processes or 1))
+            routers += started
             urls.append(url)
+            waits += before
+        for url in waits:
+            await ready(url, path="")
         for url in urls:
             await ready(url)
         await asyncio.sleep(1.0)  # subscriptions connected, health checks done
@@ -280,8 +302,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add = parser.add_argument
     add("--vllm-router", default=None, help="path of the vllm-router binary (0.1.17); its row is skipped without it")
-    add("--routers", nargs="+", default=["splitserve:round-robin", "splitserve:prefix-aware",
-                                         "splitserve:precise-prefix", "vllm-router:cache_aware"])  # fmt: skip
+    add(
+        "--routers",
+        nargs="+",
+        default=None,
+        help="KIND:POLICY, KIND one of splitserve, gateway, vllm-router (default: " + " ".join(ROUTERS) + ")",
+    )
     add("--replicas", nargs="+", default=["1", "2", "1x2"],
         help="router layouts: N replicas, or 1xP for one router with --workers P (splitserve only)")  # fmt: skip
     add("--sim-workers", type=int, default=4, help="aggregated engine simulators")
@@ -302,9 +328,12 @@ def main() -> None:
     add("--out", type=Path, default=None, help="the JSON's path (default: results-routing.json here)")
     add("--smoke", action="store_true", help="a few seconds: does the benchmark still run?")
     args = parser.parse_args()
+    named = args.routers
     if args.smoke:
         vars(args).update(SMOKE)
         args.out = args.out or Path(tempfile.mkdtemp(prefix="routing-smoke-")) / "results-routing.json"
+    # --routers wins over the smoke run's choice too
+    args.routers = named or args.routers or ROUTERS
     args.out = args.out or HERE / "results-routing.json"
     LOG_DIR.mkdir(parents=True, exist_ok=True)
     tokenizer = ensure_tokenizer(args.tokenizer_dir)
@@ -314,6 +343,11 @@ def main() -> None:
             kind, _, policy = spec.partition(":")
             if kind == "vllm-router" and not args.vllm_router:
                 print(f"  skipping {spec}: no --vllm-router", file=sys.stderr)
+                continue
+            if kind == "gateway" and (replicas != "1" or gateway.available() is None):
+                # One picker per gateway (GAIE runs one active EPP); replicas are the router's question.
+                if replicas == "1":
+                    print(f"  skipping {spec}: envoy is not installed (splitserve[gateway])", file=sys.stderr)
                 continue
             if kind == "vllm-router" and "x" in replicas:
                 continue  # one vllm-router process already uses every core (tokio threads)

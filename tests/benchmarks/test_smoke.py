@@ -20,11 +20,16 @@ from typing import Any
 
 import pytest
 
+from splitserve.gateway.envoy import envoy_binary
 from testkit.prometheus import requires_prometheus
 
 pytestmark = pytest.mark.slow
 REPO = Path(__file__).resolve().parents[2]
 HAS_MATPLOTLIB = importlib.util.find_spec("matplotlib") is not None
+requires_wrk = pytest.mark.skipif(
+    shutil.which("wrk") is None, reason="wrk is not installed (scripts/setup.sh --with-prometheus)"
+)
+requires_envoy = pytest.mark.skipif(envoy_binary() is None, reason="envoy is not installed (splitserve[gateway])")
 # Runs the script named by the first argument with matplotlib unimportable, as where it is not installed.
 WITHOUT_MATPLOTLIB = """
 import runpy, sys
@@ -72,7 +77,7 @@ def test_operator_reconcile(tmp_path: Path) -> None:
     assert 0 < result["rss_idle_mib"] <= result["rss_peak_mib"]
 
 
-@pytest.mark.skipif(shutil.which("wrk") is None, reason="wrk is not installed (scripts/setup.sh --with-prometheus)")
+@requires_wrk
 def test_router_overhead(tmp_path: Path) -> None:
     out = tmp_path / "overhead.json"
     run(tmp_path, "benchmarks/router/bench.py", "overhead", "--smoke", "--out", str(out))
@@ -84,6 +89,26 @@ def test_router_overhead(tmp_path: Path) -> None:
     # wrk drove it, and its own CPU was measured (the figure that says whether it was the limit).
     assert router["saturation_rps"] > 0 and router["cpu_us_per_request"] > 0, router
     assert 0 < router["loadgen_cpu_share"] < 1 and 0 < router["loadgen_cores_busy"] <= 1, router
+    assert router["disaggregated_share"] > 0.9, router  # P/D: the fake prefill workers were used
+
+
+@requires_wrk
+@requires_envoy
+def test_router_overhead_gateway(tmp_path: Path) -> None:
+    """The gateway data path as real processes: Envoy, `splitserve epp` and one sidecar per decode worker."""
+    out = tmp_path / "overhead.json"
+    run(tmp_path, "benchmarks/router/bench.py", "overhead", "--smoke", "--targets", "gateway", "--out", str(out))
+    direct, path = load(out)
+    assert direct["target"].startswith("direct") and path["target"].startswith("gateway: Envoy --concurrency 2")
+    assert path["runs"] == 1 and path["errors"] == 0 and path["e2e_p99_ms"] > 0 and path["ttft_p99_ms"] > 0, path
+    assert path["saturation_rps"] > 0 and 0 < path["loadgen_cpu_share"] < 1, path
+    # The CPU of every process of the path, by role, and their sum.
+    parts = path["cpu_us_by_process"]
+    assert set(parts) == {"envoy", "epp", "sidecars"} and all(us > 0 for us in parts.values()), path
+    assert path["cpu_us_per_request"] == pytest.approx(sum(parts.values()), rel=0.2), path
+    assert path["paced_cpu_us_per_request"] > 0, path
+    # The picker named a prefill worker and the sidecars split the requests into P/D.
+    assert path["disaggregated_share"] > 0.9, path
 
 
 def test_router_policies(tmp_path: Path) -> None:
@@ -107,6 +132,18 @@ def test_router_routing_quality(tmp_path: Path) -> None:
         assert row["requests"] > 0 and row["failures"] == 0, row
         assert row["throughput_rps"] > 0 and row["ttft_p50_ms"] > 0, row
         assert row["prefix_hit_rate"] > 0, row  # growing conversations resend their cached history
+
+
+@requires_envoy
+def test_router_routing_quality_gateway(tmp_path: Path) -> None:
+    out = tmp_path / "routing.json"
+    routers = ["splitserve:precise-prefix", "gateway:precise-prefix"]
+    run(tmp_path, "benchmarks/router/routing.py", "--smoke", "--routers", *routers, "--out", str(out))
+    rows = load(out)["rows"]
+    assert [row["router"] for row in rows] == ["splitserve precise-prefix", "gateway precise-prefix"]
+    for row in rows:
+        assert row["requests"] > 0 and row["failures"] == 0, row
+        assert row["prefix_hit_rate"] > 0, row  # the picker read the engines' KV events as the router does
 
 
 def test_autoscaling_virtual(tmp_path: Path) -> None:
