@@ -3,7 +3,7 @@ one decode-side sidecar per decode worker, all on loopback.
 
 The picker and the sidecars run in the test's own event loop (as ``splitserve epp`` and ``splitserve
 sidecar`` run them); Envoy is its own process with a bootstrap from ``splitserve.gateway.envoy``.
-tests/gateway and benchmarks/router use it.
+tests/gateway and the vLLM tests use it (benchmarks/router/gateway.py starts the same pieces as processes).
 """
 
 from __future__ import annotations
