@@ -24,6 +24,7 @@ from splitserve.gateway.envoy import envoy_binary
 from splitserve.router.config import DiscoveryKind
 from splitserve.router.discovery import StaticDiscovery
 from splitserve.router.discovery_file import FileDiscovery
+from splitserve.router.pool import WorkerState
 from splitserve.sim import SimWorker, generate_text, tokenize
 from testkit.gateway import pick_log, picker_config, running_gateway, running_sidecar, wait_for
 from testkit.router import external_kv_tokens, metric_value, sim_config
@@ -105,8 +106,15 @@ async def test_rollout_through_the_gateway_never_pairs_kv_across_generations(tmp
             await wait_for(lambda: served[B] >= 10, within=20)
             _write(endpoints, {"prefill": [_entry(pa, A, "terminating"), _entry(pb, B)],
                                "decode": [_entry(da, A, "terminating"), _entry(db, B)]})  # fmt: skip
-            await wait_for(lambda: gateway.router.decode.find(da.url) is not None
-                           and gateway.router.decode.find(da.url).inflight == 0)  # type: ignore[union-attr]  # fmt: skip
+
+            def a_drained() -> bool:
+                # The picker has read A as terminating (so picks neither of its pods any more) and
+                # nothing it placed there is still running: only then may A leave the file.
+                pools = (gateway.router.decode, gateway.router.prefill)
+                found = [(pool.find(da.url) or pool.find(pa.url)) for pool in pools]
+                return all(w is not None and w.state is WorkerState.TERMINATING and w.inflight == 0 for w in found)
+
+            await wait_for(a_drained)
             _write(endpoints, {"prefill": [_entry(pb, B)], "decode": [_entry(db, B)]})
             after = served[B]
             await wait_for(lambda: served[B] >= after + 10, within=20)

@@ -146,8 +146,10 @@ def run(args: argparse.Namespace) -> int:
         print(f"splitserve epp: error: {problem}", file=sys.stderr)
         return 1
     try:
-        # The default loop: grpc.aio drives its own completion queue through it.
-        asyncio.run(serve(config, options))
+        # uvloop, as the router: grpc.aio drives its completion queue through any asyncio loop, and this
+        # one took the picker from ~820 to ~670 µs of CPU per request (Envoy + picker + sidecars, wrk).
+        with asyncio.Runner(loop_factory=router_cli.loop_factory()) as runner:
+            runner.run(serve(config, options))
     except OSError as error:
         print(f"splitserve epp: error: {error}", file=sys.stderr)
         return 1
