@@ -202,3 +202,32 @@ async def test_sidecar_drains_in_flight_requests_on_shutdown() -> None:
         answer = await slow
         assert finished and answer.status_code == 200
         assert answer.json()["usage"]["completion_tokens"] == 80
+
+
+async def test_sidecar_recomputes_when_the_kv_transfer_fails_and_when_prefill_is_down() -> None:
+    """The router's KV-failure fallbacks hold in the sidecar: a decode that cannot use the pulled KV (vLLM's
+    bare 500 after a failed NIXL handshake) is retried whole on the local worker; a named prefill pod that
+    does not answer means a local recompute. Either way the client gets the full answer."""
+    async with (
+        SimWorker(sim_config("prefill", generation=A)) as prefill,
+        SimWorker(sim_config("decode", generation=A)) as decode,
+        running_sidecar(decode.url, A, discovery=StaticDiscovery({})) as sidecar,
+    ):
+        sidecar.router.prefill.set_endpoints({prefill.url}, (), {prefill.url: A})
+        url = f"http://127.0.0.1:{sidecar.port}"
+        named = {"x-prefiller-host-port": prefill.url.removeprefix("http://")}
+        expected = generate_text(tokenize(PROMPT), MAX_TOKENS, A)
+
+        def fallbacks(reason: str) -> float:
+            return metric_value(sidecar.router, "splitserve_router_fallbacks_total", {"reason": reason})
+
+        decode.faults.kv_status = 500
+        answer = await _post(url, named)
+        assert answer.status_code == 200 and answer.json()["choices"][0]["text"] == expected
+        assert fallbacks("decode_retry_without_kv") == 1
+        decode.faults.kv_status = None
+
+        await prefill.stop()
+        answer = await _post(url, named, stream=True)
+        assert answer.status_code == 200 and answer.text.rstrip().endswith("data: [DONE]")
+        assert fallbacks("prefill_failed") == 1
