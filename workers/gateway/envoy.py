@@ -26,14 +26,20 @@ from typing import Any
 
 import yaml
 
+from splitserve.router.config import RouterConfig
+
+# GAIE's names, shared with the picker's side of the protocol (extproc.py).
 DESTINATION_HEADER = "x-gateway-destination-endpoint"
+SERVED_KEY = "x-gateway-destination-endpoint-served"
 LB_NAMESPACE = "envoy.lb"
 POOL_CLUSTER = "inference_pool"
 EPP_CLUSTER = "endpoint_picker"
 SUBSET_NAMESPACE = "envoy.lb.subset_hint"
 SUBSET_KEY = "x-gateway-destination-endpoint-subset"
+# The ext_proc filter's name: Envoy also keys the attributes it sends the picker by it.
+EXT_PROC_FILTER = "envoy.filters.http.ext_proc"
 # Bodies are buffered for the picker: as large as the router accepts.
-MAX_BODY_BYTES = 8 * 1024 * 1024
+MAX_BODY_BYTES = RouterConfig.max_body_bytes
 # A gRPC message to the picker that gets no answer in this long fails the request (or, FailOpen, skips it).
 PICKER_MESSAGE_TIMEOUT_S = 10.0
 
@@ -62,7 +68,7 @@ def _typed(name: str, type_url: str, **config: Any) -> dict[str, Any]:
 def _ext_proc_filter(fail_open: bool) -> dict[str, Any]:
     # The subset hint reaches the picker as filter metadata, as GAIE's protocol has it.
     return _typed(
-        "envoy.filters.http.ext_proc",
+        EXT_PROC_FILTER,
         "envoy.extensions.filters.http.ext_proc.v3.ExternalProcessor",
         grpc_service={"envoy_grpc": {"cluster_name": EPP_CLUSTER}, "timeout": "30s"},
         failure_mode_allow=fail_open,

@@ -27,17 +27,18 @@ from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from envoy.type.v3 import http_status_pb2
 from google.protobuf import struct_pb2
 
+from splitserve.gateway.envoy import (
+    DESTINATION_HEADER,
+    EXT_PROC_FILTER,
+    LB_NAMESPACE,
+    SERVED_KEY,
+    SUBSET_KEY,
+    SUBSET_NAMESPACE,
+)
 from splitserve.gateway.picker import EndpointPicker, Placement
 from splitserve.router import errors
 
 log = logging.getLogger(__name__)
-
-DESTINATION_HEADER = "x-gateway-destination-endpoint"
-SERVED_KEY = "x-gateway-destination-endpoint-served"
-LB_NAMESPACE = "envoy.lb"
-SUBSET_NAMESPACE = "envoy.lb.subset_hint"
-SUBSET_KEY = "x-gateway-destination-endpoint-subset"
-EXT_PROC_ATTRIBUTES = "envoy.filters.http.ext_proc"
 
 
 def _headers(message: pb.HttpHeaders) -> dict[str, str]:
@@ -67,7 +68,7 @@ def served_endpoint(request: pb.ProcessingRequest) -> str | None:
     lb = request.metadata_context.filter_metadata.get(LB_NAMESPACE)
     if lb is not None and SERVED_KEY in lb.fields:
         return lb.fields[SERVED_KEY].string_value or None
-    attributes = request.attributes.get(EXT_PROC_ATTRIBUTES)
+    attributes = request.attributes.get(EXT_PROC_FILTER)
     if attributes is not None and "upstream.address" in attributes.fields:
         return attributes.fields["upstream.address"].string_value or None
     return None
