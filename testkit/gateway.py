@@ -12,7 +12,6 @@ import asyncio
 import contextlib
 import dataclasses
 import logging
-import os
 import signal
 import subprocess
 import tempfile
@@ -28,12 +27,12 @@ import yaml
 
 from splitserve.gateway.envoy import bootstrap, envoy_binary
 from splitserve.gateway.epp import PickerOptions, PickerServer
-from splitserve.gateway.sidecar import make_router
+from splitserve.gateway.sidecar import make_router, sidecar_config
 from splitserve.local.ports import free_port
 from splitserve.router.app import Router, RouterServer
 from splitserve.router.config import RouterConfig
 from splitserve.router.discovery import Discovery
-from testkit.router import router_config
+from testkit.router import router_config, wait_until
 
 
 class PickLog(logging.Handler):
@@ -155,18 +154,18 @@ picker_config = router_config
 
 @contextlib.asynccontextmanager
 async def running_sidecar(
-    local: str, generation: str = "", discovery: Discovery | None = None, **overrides: Any
+    local: str,
+    generation: str = "",
+    discovery: Discovery | None = None,
+    config: RouterConfig | None = None,
+    **overrides: Any,
 ) -> AsyncIterator[RouterServer]:
-    """A started sidecar for the decode worker at ``local``; prefill workers from ``discovery``."""
-    config = dataclasses.replace(
-        picker_config(decode_urls=(local,), prefill_from_header=True, **overrides), disagg_threshold_tokens=0
-    )
-    router = make_router(config, local, generation)
-    if discovery is not None:
-        from splitserve.gateway.sidecar import LocalDecodeDiscovery
-
-        router.discovery = LocalDecodeDiscovery(discovery, local, generation)
-    server = RouterServer(router)
+    """A started sidecar for the decode worker at ``local``, configured as `splitserve sidecar` configures
+    itself from the router's flags (``config``, default: the test configuration with ``overrides``);
+    prefill workers from ``discovery`` (default: the one ``config`` names)."""
+    base = config or picker_config(**overrides)
+    sidecar = sidecar_config(dataclasses.replace(base, decode_urls=(local,)))
+    server = RouterServer(make_router(sidecar, local, generation, discovery))
     await server.start("127.0.0.1", 0)
     try:
         yield server
@@ -202,12 +201,7 @@ async def running_gateway(
                     url,
                     (generations or {}).get(url, ""),
                     discovery=sidecar_discovery() if sidecar_discovery else None,
-                    prefill_urls=config.prefill_urls,
-                    generation_pairing=config.generation_pairing,
-                    model=config.model,
-                    queue_timeout=config.queue_timeout,
-                    prefill_timeout=config.prefill_timeout,
-                    decode_timeout=config.decode_timeout,
+                    config=config,
                 )
             )
             servers[url] = server
@@ -221,18 +215,5 @@ async def running_gateway(
         )
         gateway = Gateway(envoy, picker, servers, {u: f"http://{t}" for u, t in targets.items()})
         wanted = len(decode_urls) if healthy is None else healthy
-        await wait_for(lambda: len(picker.router.decode.healthy) == wanted)
+        await wait_until(lambda: len(picker.router.decode.healthy) == wanted, within=10.0)
         yield gateway
-
-
-async def wait_for(condition: Any, within: float = 10.0) -> None:
-    deadline = time.monotonic() + within
-    while not condition():
-        if time.monotonic() > deadline:
-            raise TimeoutError("condition not met in time")
-        await asyncio.sleep(0.02)
-
-
-def kill_group(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.kill(process.pid, signal.SIGKILL)

@@ -3,9 +3,11 @@ what tests/router and the rigs in testkit.rigs start their routers and SimWorker
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import dataclasses
-from collections.abc import AsyncIterator
+import time
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from splitserve.router.app import Router, RouterServer
@@ -60,3 +62,11 @@ def external_kv_tokens(worker: SimWorker) -> float:
         if line.startswith("vllm:prompt_tokens_by_source_total") and 'source="external_kv_transfer"' in line:
             return float(line.rsplit(" ", 1)[1])
     return 0.0
+
+
+async def wait_until(condition: Callable[[], object], within: float = 5.0) -> None:
+    """Poll ``condition`` until it is truthy; fail the test after ``within`` seconds."""
+    deadline = time.monotonic() + within
+    while not condition():
+        assert time.monotonic() < deadline, "condition not met in time"
+        await asyncio.sleep(0.02)

@@ -26,8 +26,8 @@ from splitserve.router.discovery import StaticDiscovery
 from splitserve.router.discovery_file import FileDiscovery
 from splitserve.router.pool import WorkerState
 from splitserve.sim import SimWorker, generate_text, tokenize
-from testkit.gateway import pick_log, picker_config, running_gateway, running_sidecar, wait_for
-from testkit.router import external_kv_tokens, metric_value, sim_config
+from testkit.gateway import pick_log, picker_config, running_gateway, running_sidecar
+from testkit.router import external_kv_tokens, metric_value, sim_config, wait_until
 
 pytestmark = pytest.mark.slow
 
@@ -95,15 +95,15 @@ async def test_rollout_through_the_gateway_never_pairs_kv_across_generations(tmp
                 # picker may name it (one that does not is safe, but recomputes: not what this test counts).
                 return all(s.router.prefill.find(prefill.url) is not None for s in gateway.sidecars.values())
 
-            await wait_for(lambda: sidecars_know(pa))
+            await wait_until(lambda: sidecars_know(pa), within=10.0)
             loaders = [asyncio.create_task(load(gateway.url)) for _ in range(3)]
-            await wait_for(lambda: served[A] >= 10)
+            await wait_until(lambda: served[A] >= 10, within=10.0)
             # B joins (its prefill pod first, as its pods would become ready); once it has served, A drains
             # and leaves.
             _write(endpoints, {"prefill": [_entry(pa, A), _entry(pb, B)], "decode": [_entry(da, A)]})
-            await wait_for(lambda: sidecars_know(pb))
+            await wait_until(lambda: sidecars_know(pb), within=10.0)
             _write(endpoints, {"prefill": [_entry(pa, A), _entry(pb, B)], "decode": [_entry(da, A), _entry(db, B)]})
-            await wait_for(lambda: served[B] >= 10, within=20)
+            await wait_until(lambda: served[B] >= 10, within=20)
             _write(endpoints, {"prefill": [_entry(pa, A, "terminating"), _entry(pb, B)],
                                "decode": [_entry(da, A, "terminating"), _entry(db, B)]})  # fmt: skip
 
@@ -114,10 +114,10 @@ async def test_rollout_through_the_gateway_never_pairs_kv_across_generations(tmp
                 found = [(pool.find(da.url) or pool.find(pa.url)) for pool in pools]
                 return all(w is not None and w.state is WorkerState.TERMINATING and w.inflight == 0 for w in found)
 
-            await wait_for(a_drained)
+            await wait_until(a_drained, within=10.0)
             _write(endpoints, {"prefill": [_entry(pb, B)], "decode": [_entry(db, B)]})
             after = served[B]
-            await wait_for(lambda: served[B] >= after + 10, within=20)
+            await wait_until(lambda: served[B] >= after + 10, within=20)
             stop.set()
             await asyncio.gather(*loaders)
             sidecar_routers = [s.router for s in gateway.sidecars.values()]
@@ -197,7 +197,7 @@ async def test_sidecar_drains_in_flight_requests_on_shutdown() -> None:
     async with SimWorker(sim_config("decode", time_scale=1.0)) as decode, running_sidecar(decode.url) as sidecar:
         url = f"http://127.0.0.1:{sidecar.port}"
         slow = asyncio.create_task(_post(url, max_tokens=80))
-        await wait_for(lambda: sidecar.router.active_requests == 1)
+        await wait_until(lambda: sidecar.router.active_requests == 1, within=10.0)
         finished = await sidecar.shutdown(10)
         answer = await slow
         assert finished and answer.status_code == 200

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import logging
 import signal
-import sys
 from dataclasses import dataclass, field
 
 import grpc
@@ -133,24 +132,14 @@ async def serve(config: RouterConfig, options: PickerOptions, stop: asyncio.Even
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    router_cli.setup_logging(args.log_level)
     try:
         config, options = options_from_args(args)
     except ValueError as error:
-        print(f"splitserve epp: error: {error}", file=sys.stderr)
-        return 2
+        return router_cli.refuse("epp", error, 2)
     problem = router_cli.startup_problem(config)
     if problem:
-        print(f"splitserve epp: error: {problem}", file=sys.stderr)
-        return 1
-    try:
-        # uvloop, as the router: grpc.aio drives its completion queue through any asyncio loop, and this
-        # one took the picker from ~820 to ~670 µs of CPU per request (Envoy + picker + sidecars, wrk).
-        with asyncio.Runner(loop_factory=router_cli.loop_factory()) as runner:
-            runner.run(serve(config, options))
-    except OSError as error:
-        print(f"splitserve epp: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+        return router_cli.refuse("epp", problem, 1)
+    # uvloop, as the router: grpc.aio drives its completion queue through any asyncio loop, and this one
+    # took the picker from ~820 to ~670 µs of CPU per request (Envoy + picker + sidecars, wrk).
+    return router_cli.serve_in_loop("epp", lambda: serve(config, options))

@@ -17,9 +17,8 @@ gets OpenAI-style 4xx; SIGTERM drains.
 from __future__ import annotations
 
 import argparse
-import asyncio
+import dataclasses
 import logging
-import sys
 from collections.abc import Mapping
 
 from splitserve.router import cli as router_cli
@@ -63,38 +62,34 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="the local worker's KV generation (splitserve.io/generation); KV of others is refused")  # fmt: skip
 
 
+def sidecar_config(config: RouterConfig) -> RouterConfig:
+    """The router's configuration as a sidecar runs it: the picker decides what is split (the header); the
+    sidecar only checks that it can be."""
+    return dataclasses.replace(config, prefill_from_header=True, disagg_threshold_tokens=0)
+
+
 def config_from_args(args: argparse.Namespace) -> tuple[RouterConfig, str, str]:
     if len(args.local) != 1:
         raise ValueError("--local takes exactly one URL: the sidecar's own worker")
     local = args.local[0]
     args.decode = (local,)
-    config = router_cli.config_from_args(args)
-    # The picker decides what is split; the sidecar only checks that it can be.
-    config = RouterConfig(**{**config.__dict__, "prefill_from_header": True, "disagg_threshold_tokens": 0})
-    return config, local, args.generation
+    return sidecar_config(router_cli.config_from_args(args)), local, args.generation
 
 
-def make_router(config: RouterConfig, local: str, generation: str) -> Router:
-    return Router(config, discovery=LocalDecodeDiscovery(make_discovery(config), local, generation))
+def make_router(config: RouterConfig, local: str, generation: str, prefill: Discovery | None = None) -> Router:
+    """The sidecar's router; its prefill pods from ``prefill`` (default: the discovery ``config`` names)."""
+    return Router(config, discovery=LocalDecodeDiscovery(prefill or make_discovery(config), local, generation))
 
 
 def run(args: argparse.Namespace) -> int:
-    logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
-    )
+    router_cli.setup_logging(args.log_level)
     try:
         config, local, generation = config_from_args(args)
     except ValueError as error:
-        print(f"splitserve sidecar: error: {error}", file=sys.stderr)
-        return 2
+        return router_cli.refuse("sidecar", error, 2)
     problem = router_cli.startup_problem(config)
     if problem:
-        print(f"splitserve sidecar: error: {problem}", file=sys.stderr)
-        return 1
-    try:
-        with asyncio.Runner(loop_factory=router_cli.loop_factory()) as runner:
-            runner.run(router_cli.serve(config, router=make_router(config, local, generation)))
-    except OSError as error:
-        print(f"splitserve sidecar: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+        return router_cli.refuse("sidecar", problem, 1)
+    return router_cli.serve_in_loop(
+        "sidecar", lambda: router_cli.serve(config, router=make_router(config, local, generation))
+    )

@@ -8,8 +8,8 @@ import gc
 import logging
 import signal
 import sys
-from collections.abc import Callable
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Coroutine
+from typing import TYPE_CHECKING, Any
 
 from splitserve.router.config import DiscoveryKind, GenerationPairing, RouterConfig
 from splitserve.router.policies import PolicyName
@@ -232,19 +232,37 @@ def loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
     return factory
 
 
-def run(args: argparse.Namespace) -> int:
+def setup_logging(level: str) -> None:
     logging.basicConfig(
-        level=args.log_level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
+        level=level.upper(), format="%(asctime)s %(levelname)s %(name)s: %(message)s", stream=sys.stderr
     )
+
+
+def refuse(command: str, problem: object, exit_code: int) -> int:
+    """One line on stderr, not a traceback: what `splitserve COMMAND` cannot work with."""
+    print(f"splitserve {command}: error: {problem}", file=sys.stderr)
+    return exit_code
+
+
+def serve_in_loop(command: str, main: Callable[[], Coroutine[Any, Any, None]]) -> int:
+    """Run ``main`` on uvloop (when installed) until it returns; a port that cannot be bound is one line."""
+    try:
+        with asyncio.Runner(loop_factory=loop_factory()) as runner:
+            runner.run(main())
+    except OSError as error:
+        return refuse(command, error, 1)
+    return 0
+
+
+def run(args: argparse.Namespace) -> int:
+    setup_logging(args.log_level)
     try:
         config = config_from_args(args)
     except ValueError as error:
-        print(f"splitserve router: error: {error}", file=sys.stderr)
-        return 2
+        return refuse("router", error, 2)
     problem = startup_problem(config)
     if problem:
-        print(f"splitserve router: error: {problem}", file=sys.stderr)
-        return 1
+        return refuse("router", problem, 1)
     precise = PolicyName.PRECISE_PREFIX.value
     if precise in (config.prefill_policy, config.decode_policy) and not config.tokenizer:
         log.info("precise-prefix without --tokenizer: each prompt is tokenized by a worker (POST /tokenize) "
@@ -253,10 +271,4 @@ def run(args: argparse.Namespace) -> int:
         from splitserve.router.processes import run_processes
 
         return run_processes(config, args)
-    try:
-        with asyncio.Runner(loop_factory=loop_factory()) as runner:
-            runner.run(serve(config))
-    except OSError as error:
-        print(f"splitserve router: error: {error}", file=sys.stderr)
-        return 1
-    return 0
+    return serve_in_loop("router", lambda: serve(config))
