@@ -5,6 +5,10 @@ has the Llama architecture (which every vLLM backend supports), a head size of 3
 CPU attention backend), weights drawn from N(0, 0.2) so greedy output varies with the prompt, and a
 chat template so /v1/chat/completions works. Same seed, same files, byte for byte.
 
+Tiny LoRA adapters for it (``build_tiny_lora``): peft adapters of rank 8 on every Llama projection,
+random A and B (``init_lora_weights=False``, so the adapter really changes the output), seeded by the
+adapter's name. Same name, same files, byte for byte, on any machine: no path of this one is written.
+
 torch, transformers, tokenizers and safetensors come with vLLM; they are imported inside the
 functions so that importing this module stays cheap.
 """
@@ -12,7 +16,11 @@ functions so that importing this module stays cheap.
 from __future__ import annotations
 
 import hashlib
+import json
+import os
 import random
+import re
+import shutil
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +47,15 @@ MODEL_FILES = (
     "tokenizer.json",
     "tokenizer_config.json",
 )
+
+# The tiny LoRA adapters: DIR/loras/NAME next to the model in DIR. vLLM reads these two files.
+LORAS_DIR = "loras"
+LORA_FILES = ("adapter_config.json", "adapter_model.safetensors")
+LORA_RANK = 8
+LORA_ALPHA = 16
+LORA_TARGET_MODULES = ("down_proj", "gate_proj", "k_proj", "o_proj", "q_proj", "up_proj", "v_proj")
+# A directory name, and a valid OpenAI model name (the adapter is served under it).
+LORA_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]*$")
 
 
 @dataclass(frozen=True)
@@ -149,3 +166,66 @@ def file_hashes(directory: Path) -> dict[str, str]:
         if path.exists():
             hashes[name] = hashlib.sha256(path.read_bytes()).hexdigest()
     return hashes
+
+
+def lora_dir(model_dir: Path, name: str) -> Path:
+    """Where ``build_tiny_lora`` writes adapter ``name`` of the model in ``model_dir``."""
+    return model_dir / LORAS_DIR / name
+
+
+def lora_seed(name: str, seed: int = 0) -> int:
+    """The adapter's random seed: a function of its name (and the model's seed), stable across processes."""
+    digest = hashlib.blake2b(f"{seed}:{name}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & 0x7FFF_FFFF
+
+
+def build_tiny_lora(model_dir: Path, name: str, seed: int = 0) -> dict[str, str]:
+    """Write a random peft LoRA adapter for the tiny model in ``model_dir`` to ``lora_dir(model_dir, name)``.
+
+    Built in a sibling folder and renamed, so a reader never sees half an adapter. Returns
+    {file name: sha256} of LORA_FILES.
+    """
+    if not LORA_NAME.match(name):
+        raise ValueError(f"adapter name {name!r} must match {LORA_NAME.pattern}")
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
+    config = LoraConfig(
+        r=LORA_RANK,
+        lora_alpha=LORA_ALPHA,
+        target_modules=list(LORA_TARGET_MODULES),
+        init_lora_weights=False,  # B random too: an adapter that changes nothing would prove nothing
+        task_type="CAUSAL_LM",
+    )
+    torch.manual_seed(lora_seed(name, seed))
+    peft_model = get_peft_model(model, config)
+    target = lora_dir(model_dir, name)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    partial = target.with_name(f".{name}.partial-{os.getpid()}")
+    shutil.rmtree(partial, ignore_errors=True)
+    try:
+        peft_model.save_pretrained(str(partial))
+        _make_reproducible(partial)
+        if target.exists():
+            shutil.rmtree(target)
+        os.replace(partial, target)
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return lora_file_hashes(target)
+
+
+def _make_reproducible(adapter: Path) -> None:
+    """peft writes this machine's model path and target_modules in set order (it varies with the hash
+    seed of the process): write the config with neither, and drop the generated model card."""
+    config_path = adapter / "adapter_config.json"
+    config = json.loads(config_path.read_text())
+    config["base_model_name_or_path"] = None
+    config["target_modules"] = sorted(config["target_modules"])
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    (adapter / "README.md").unlink(missing_ok=True)
+
+
+def lora_file_hashes(adapter: Path) -> dict[str, str]:
+    return {name: hashlib.sha256((adapter / name).read_bytes()).hexdigest() for name in LORA_FILES}
