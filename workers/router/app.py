@@ -121,6 +121,8 @@ class Router:
             "health_interval": config.health_interval,
             "metrics_poll_interval": config.metrics_poll_interval,
             "kv_event_endpoints": dict(config.kv_event_endpoints),
+            "lora": config.lora,
+            "models_poll_interval": config.models_poll_interval,
         }
         self.prefill = WorkerPool(
             "prefill",
@@ -251,8 +253,16 @@ class Router:
 
     async def models(self, request: Request) -> None:
         if self.config.model:
-            card = {"id": self.config.model, "object": "model", "created": 0, "owned_by": "splitserve"}
-            request.respond_json({"object": "list", "data": [card]})
+            card: dict[str, object] = {"id": self.config.model, "object": "model", "created": 0}
+            card["owned_by"] = "splitserve"
+            cards = [card]
+            if self.config.lora:
+                # The adapters the workers themselves list, each with its base model as parent.
+                for name, adapter in sorted(self.decode.model_cards().items()):
+                    cards.append({"id": name, "object": "model", "created": 0, "owned_by": "splitserve",
+                                  "parent": adapter.parent, "root": adapter.root})  # fmt: skip
+                card["parent"] = None
+            request.respond_json({"object": "list", "data": cards})
             return
         for worker in self.decode.workers:
             try:
@@ -301,14 +311,27 @@ class Router:
         except orjson.JSONDecodeError as error:
             raise errors.bad_request(f"Request body is not valid JSON: {error}", code="invalid_json") from None
         body = validate_body(parsed, chat)
-        if self.config.model is not None and body["model"] != self.config.model:
-            raise errors.model_not_found(body["model"])
+        model: str = body["model"]
+        lora_name: str | None = None
+        if self.config.lora:
+            lora_name = self._adapter_of(model)
+        elif self.config.model is not None and model != self.config.model:
+            raise errors.model_not_found(model)
         shape = self.measurer.measure(body)
         token_ids = shape.token_ids
         if self.engine_tokens is not None and not token_ids:
             token_ids = await self.engine_tokens.token_ids(body)
         self.metrics.prompt_tokens.observe(shape.tokens)
         headers = {name: client_headers[key] for key, name in _FORWARDED_HEADERS if key in client_headers}
+        block_hashes = shape.block_hashes
+        if lora_name is not None and block_hashes:
+            # prefix-aware's keys: an adapter's prompt never matches the base model's, nor another's.
+            salt = hash(lora_name)
+            block_hashes = tuple(h ^ salt for h in block_hashes)
+        # Per-model series only for names a worker serves: a client cannot mint label values.
+        label = model if lora_name is None or self.decode.serves(model) else ""
+        if self.config.lora:
+            self.metrics.model_prompt_tokens.labels(label).inc(shape.tokens)
         return RequestContext(
             path=path,
             body=body,
@@ -317,14 +340,32 @@ class Router:
             request_id=client_headers.get("x-request-id") or self._new_request_id(),
             routing=RoutingRequest(
                 shape.tokens,
-                shape.block_hashes,
+                block_hashes,
                 token_ids=token_ids,
                 cache_salt=_cache_salt(body),
+                lora_name=lora_name,
             ),
             started=started,
             forward_headers=headers,
             prefill_pin=_prefill_pin(client_headers) if self.config.prefill_from_header else None,
+            model_label=label if self.config.lora else None,
         )
+
+    def _adapter_of(self, model: str) -> str | None:
+        """--lora: None for the base model, else the adapter ``model`` names; RouterError 404 when no
+        worker serves that name. A name not known while some worker has not told its models yet waits
+        for them (bounded by the queue timeout) rather than being refused too early."""
+        if model == self.config.model:
+            return None
+        if self.decode.serves(model):
+            return model
+        if self.config.model is None and any(
+            card.id == model and card.parent is None for w in self.decode.workers for card in w.models or ()
+        ):
+            return None
+        if self.decode.has_healthy and self.decode.models_known:
+            raise errors.model_not_found(model)
+        return model
 
     async def _generate(self, request: Request, chat: bool) -> None:
         started = time.monotonic()
@@ -358,6 +399,8 @@ class Router:
             elapsed = time.monotonic() - started
             self.metrics.requests.labels(outcome.value, handling.value).inc()
             self.metrics.generation_requests.labels(ctx.generation if ctx else "", outcome.value).inc()
+            if self.config.lora:
+                self._count_model(ctx, outcome)
             self.metrics.e2e.observe(elapsed)
             self.metrics.request_finished()
             if request_log.isEnabledFor(logging.INFO):
@@ -365,6 +408,13 @@ class Router:
             self.active_requests -= 1
             if self.active_requests == 0:
                 self._idle.set()
+
+    def _count_model(self, ctx: RequestContext | None, outcome: Outcome) -> None:
+        label = ctx.model_label if ctx is not None and ctx.model_label is not None else ""
+        self.metrics.model_requests.labels(label, outcome.value).inc()
+        hits = ctx.prefix_hit_tokens if ctx is not None else None
+        if hits is not None:
+            self.metrics.model_prefix_hit_tokens.labels(label).inc(min(hits, ctx.routing.prompt_tokens) if ctx else 0)
 
 
 def routes(router: Router) -> dict[str, dict[str, Handler]]:

@@ -70,6 +70,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     add("--generation-pairing", choices=[g.value for g in GenerationPairing], default=GenerationPairing.STRICT.value,
         help="strict: prefill and decode of a request are of one KV generation; off: ignore generations "
              "(only to demonstrate the failure strict prevents)")  # fmt: skip
+    add("--lora", action="store_true",
+        help="serve LoRA adapters: learn each worker's adapters from its /v1/models and route a request for an "
+             "adapter only to workers that serve it")  # fmt: skip
     add("--prefill-service", default=None, help="Service of the prefill pool (dns/kubernetes discovery)")
     add("--decode-service", default=None, help="Service of the decode pool (dns/kubernetes discovery)")
     add("--worker-port", type=int, default=8000)
@@ -159,6 +162,7 @@ def config_from_args(args: argparse.Namespace) -> RouterConfig:
         deployment=args.deployment,
         prefill_pool=args.prefill_pool,
         generation_pairing=GenerationPairing(args.generation_pairing),
+        lora=args.lora,
         prefill_policy=args.prefill_policy or args.policy or "round-robin",
         decode_policy=args.decode_policy or args.policy or "least-loaded",
         queue_limit=args.queue_limit,

@@ -53,6 +53,10 @@ class RouterConfig:
     # A gateway's decode-side sidecar: split a request only when the endpoint picker named its prefill
     # worker (x-prefiller-host-port), on that worker; otherwise serve it on the local decode worker.
     prefill_from_header: bool = False
+    # LoRA adapters: learn each worker's adapters from its /v1/models and send a request for an adapter
+    # only to workers that serve it (both legs), preferring those where it is already active.
+    lora: bool = False
+    models_poll_interval: float = 2.0
 
     prefill_policy: str = "round-robin"
     decode_policy: str = "least-loaded"

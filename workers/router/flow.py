@@ -29,7 +29,7 @@ from splitserve.router import errors, pairing
 from splitserve.router.config import GenerationPairing, RouterConfig
 from splitserve.router.httpserver import ClientGone, Request
 from splitserve.router.metrics import RouterMetrics
-from splitserve.router.policies import RoutingRequest
+from splitserve.router.policies import PrecisePrefix, PrefixAware, RoutingRequest
 from splitserve.router.pool import Worker, WorkerPool
 from splitserve.router.upstream import UpstreamResponse
 
@@ -102,6 +102,17 @@ class RequestContext:
     completion_tokens: int | None = None
     # A stream's final event (data: [DONE]) has been sent to the client.
     answered: bool = False
+    # --lora: the model name the per-model series count this request under (None: not counted), and
+    # how many prompt tokens the chosen decode and prefill workers held in their prefix caches (None
+    # when the pool's policy does not know).
+    model_label: str | None = None
+    decode_match: int | None = None
+    prefill_match: int | None = None
+
+    @property
+    def prefix_hit_tokens(self) -> int | None:
+        """Prompt tokens found cached where the prompt was computed: prefill when split, else decode."""
+        return self.prefill_match if self.handling is Handling.DISAGGREGATED else self.decode_match
 
 
 class _Retriable(Exception):
@@ -194,6 +205,8 @@ class Flow:
             raise
         self._metrics.queue_wait.labels("decode").observe(time.monotonic() - waiting_since)
         ctx.generation = decode.generation
+        if ctx.model_label is not None:
+            ctx.decode_match = self._last_match(self._decode)
         return decode
 
     async def acquire_prefill(self, ctx: RequestContext, tried: AbstractSet[str] = frozenset()) -> Worker | str:
@@ -215,6 +228,10 @@ class Flow:
             return "prefill_unavailable"
         if not self._prefill.has_healthy_in(same):
             return "no_prefill_in_generation"
+        lora = ctx.routing.lora_name
+        if lora is not None and not self._prefill.serves_healthy(lora, same, only):
+            # Prefill would answer 404 (or compute KV under another adapter): recompute on decode.
+            return "prefill_no_adapter"
         waiting_since = time.monotonic()
         try:
             worker = await self._prefill.acquire(
@@ -224,7 +241,18 @@ class Flow:
             gone = self._prefill.has_healthy and not self._prefill.has_healthy_in(same)
             return "no_prefill_in_generation" if gone else "prefill_unavailable"
         self._metrics.queue_wait.labels("prefill").observe(time.monotonic() - waiting_since)
+        if ctx.model_label is not None:
+            ctx.prefill_match = self._last_match(self._prefill)
         return worker
+
+    def _last_match(self, pool: WorkerPool) -> int | None:
+        """Prompt tokens the worker just chosen in ``pool`` holds in its prefix cache, when its policy knows."""
+        policy = pool.policy
+        if isinstance(policy, PrecisePrefix):
+            return policy.last_matched_tokens
+        if isinstance(policy, PrefixAware):
+            return policy.last_matched_blocks * self._config.prefix_block_tokens
+        return None
 
     async def serve(self, ctx: RequestContext, http_request: Request) -> None:
         """Serve ``ctx`` and answer ``http_request``; RouterError when nothing could be sent."""
@@ -437,6 +465,8 @@ class Flow:
         ctx.ttft = now - ctx.started
         metrics.ttft.observe(ctx.ttft)
         metrics.generation_ttft.labels(worker.generation).observe(ctx.ttft)
+        if ctx.model_label is not None:
+            metrics.model_ttft.labels(ctx.model_label).observe(ctx.ttft)
         if disaggregated:
             metrics.kv_handoff.observe(now - handoff_start)
         headers = {**_SSE_HEADERS, "X-Request-Id": ctx.request_id}

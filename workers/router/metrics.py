@@ -169,6 +169,26 @@ class RouterMetrics:
             ["generation"],
             buckets=LATENCY_BUCKETS,
         )
+        # By model name (the base model or a LoRA adapter; only with --lora): requests, TTFT and how much of
+        # each model's prompts the chosen worker's prefix cache held (the diagnosis answers its prefix
+        # question per adapter from these). "" counts names no worker serves.
+        self.model_requests = FastCounter(
+            p + "model_requests",
+            "Finished requests by model name (base or LoRA adapter) and outcome",
+            ["model", "outcome"],
+        )
+        self.model_ttft = FastHistogram(
+            p + "model_ttft_seconds", "Time to first streamed byte, by model name", ["model"], buckets=LATENCY_BUCKETS
+        )
+        self.model_prompt_tokens = FastCounter(
+            p + "model_prompt_tokens", "Prompt tokens routed, by model name", ["model"]
+        )
+        self.model_prefix_hit_tokens = FastCounter(
+            p + "model_prefix_hit_tokens",
+            "Prompt tokens the chosen worker already held in its prefix cache (precise-prefix: from its KV events; "
+            "prefix-aware: from its own table), by model name",
+            ["model"],
+        )
         self.cross_generation_pairs = FastCounter(
             p + "cross_generation_pairs",
             "Decode requests sent KV from a prefill worker of another generation (0 unless pairing is off)",

@@ -47,6 +47,9 @@ class RoutingRequest:
     # first block, for precise-prefix (which derives its keys per engine block size).
     token_ids: tuple[int, ...] = ()
     cache_salt: str | None = None
+    # The LoRA adapter the request names (None: the base model). vLLM hashes it into every block, so
+    # only blocks computed under the same adapter match.
+    lora_name: str | None = None
 
 
 class WorkerChooser(Protocol):
@@ -162,6 +165,8 @@ class PrefixAware:
         self._balance_ratio = balance_ratio
         self._balance_slack = balance_slack
         self._cursor = 0
+        # Blocks of the last request already sent to the chosen worker (per-model hit metrics).
+        self.last_matched_blocks = 0
 
     def matched_blocks(self, key: str, hashes: Sequence[int]) -> int:
         count = 0
@@ -179,6 +184,7 @@ class PrefixAware:
         )
         chosen = ties[self._cursor % len(ties)]
         self._cursor += 1
+        self.last_matched_blocks = self.matched_blocks(chosen.key, hashes)
         self._remember(chosen.key, hashes)
         return chosen
 
@@ -233,6 +239,8 @@ class PrecisePrefix:
         self._balance_ratio = balance_ratio
         self._balance_slack = balance_slack
         self._cursor = 0
+        # Prompt tokens the last chosen worker holds in its prefix cache (per-model hit metrics).
+        self.last_matched_tokens = 0
 
     def matched_tokens(self, worker: str, request: RoutingRequest, keys_by_size: dict[int, tuple[int, ...]]) -> int:
         cache = self.cache
@@ -243,7 +251,7 @@ class PrecisePrefix:
             return 0
         keys = keys_by_size.get(size)
         if keys is None:
-            keys = request_keys(request.token_ids, size, cache_salt=request.cache_salt)
+            keys = request_keys(request.token_ids, size, lora_name=request.lora_name, cache_salt=request.cache_salt)
             keys_by_size[size] = keys
         return cache.matched_blocks(worker, keys) * size
 
@@ -257,7 +265,22 @@ class PrecisePrefix:
         )
         chosen = ties[self._cursor % len(ties)]
         self._cursor += 1
+        self.last_matched_tokens = self.matched_tokens(chosen.key, request, keys_by_size)
         return chosen
+
+
+def prefer_active_adapter(
+    candidates: Sequence[W], is_active: Callable[[W], bool], balance_ratio: float = 1.5, balance_slack: int = 4
+) -> Sequence[W]:
+    """LoRA affinity, as llm-d's scorer: of ``candidates`` (all serving the adapter), those where it
+    is already active (running or waiting in the engine, so it holds a LoRA slot and needs no swap-in),
+    unless they are overloaded by prefix-aware's bound; otherwise all of them."""
+    active = [c for c in candidates if is_active(c)]
+    if not active or len(active) == len(candidates):
+        return candidates
+    limit = min(c.inflight for c in candidates) * balance_ratio + balance_slack
+    within = [c for c in active if c.inflight <= limit]
+    return within or candidates
 
 
 class PolicyName(enum.StrEnum):

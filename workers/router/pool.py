@@ -18,17 +18,25 @@ import collections
 import enum
 import logging
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Coroutine, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 import aiohttp
 
 from splitserve.router import errors
+from splitserve.router.adapters import ModelCard, adapter_names, parse_active_adapters, parse_models
 from splitserve.router.kv_feed import KvEventFeed
 from splitserve.router.kv_index import KvBlockIndex
 from splitserve.router.metrics import RouterMetrics
 from splitserve.router.pairing import Generations
-from splitserve.router.policies import KvAware, PrecisePrefix, PrefixAware, RoutingRequest, WorkerChooser
+from splitserve.router.policies import (
+    KvAware,
+    PrecisePrefix,
+    PrefixAware,
+    RoutingRequest,
+    WorkerChooser,
+    prefer_active_adapter,
+)
 from splitserve.router.upstream import HttpPool
 
 log = logging.getLogger(__name__)
@@ -84,6 +92,11 @@ class Worker:
         self.removed = False
         self.kv_usage: float | None = None
         self.waiting: float | None = None
+        # LoRA (router --lora): the models the worker's own /v1/models lists, the adapters among them,
+        # and those active in its engine. ``models`` is None until the worker first answered.
+        self.models: tuple[ModelCard, ...] | None = None
+        self.adapters: frozenset[str] = frozenset()
+        self.active_adapters: frozenset[str] = frozenset()
 
     @property
     def key(self) -> str:
@@ -94,8 +107,12 @@ class Worker:
 
     def describe(self, state: str | None = None) -> dict[str, object]:
         """The worker as GET /splitserve/workers lists it."""
-        return {"url": self.url, "generation": self.generation, "state": state or str(self.state),
-                "inflight": self.inflight}  # fmt: skip
+        described: dict[str, object] = {"url": self.url, "generation": self.generation,
+                                         "state": state or str(self.state), "inflight": self.inflight}  # fmt: skip
+        if self.models is not None:
+            described["adapters"] = sorted(self.adapters)
+            described["active_adapters"] = sorted(self.active_adapters)
+        return described
 
 
 def parse_engine_load(text: str) -> tuple[float | None, float | None]:
@@ -133,6 +150,8 @@ class WorkerPool:
         health_interval: float,
         metrics_poll_interval: float,
         kv_event_endpoints: dict[str, str] | None = None,
+        lora: bool = False,
+        models_poll_interval: float = 2.0,
     ) -> None:
         self.name = name
         self.policy = policy
@@ -144,12 +163,15 @@ class WorkerPool:
         self._eject_min = eject_min_seconds
         self._health_interval = health_interval
         self._poll_interval = metrics_poll_interval
+        self.lora = lora
+        self._models_interval = models_poll_interval
         self._workers: dict[str, Worker] = {}
         self._routable: list[Worker] = []
         self._healthy_generations: frozenset[str] = frozenset()
         # Requests waiting for a slot, in order, each with the generations it may take.
         self._waiters: collections.deque[tuple[asyncio.Future[None], Generations]] = collections.deque()
         self._tasks: list[asyncio.Task[None]] = []
+        self._polls: set[asyncio.Task[None]] = set()
         self.inflight = 0
         # Removed from discovery but still serving requests: reported until their last one ends.
         self.departing: set[Worker] = set()
@@ -227,6 +249,8 @@ class WorkerPool:
                 log.info("%s worker added: %s (generation %r)", self.name, url, generation)
                 if self.kv_feed is not None:
                     self.kv_feed.watch(url)
+                if self.lora:
+                    self._spawn_poll(worker)  # its adapters at once, not at the next poll
             if url in terminating_set:
                 worker.state = WorkerState.TERMINATING
             elif worker.state is WorkerState.TERMINATING:
@@ -261,9 +285,17 @@ class WorkerPool:
         )
 
     def _close_later(self, worker: Worker) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_close_worker(worker))
+        self._spawn(_close_worker(worker))
+
+    def _spawn(self, coroutine: Coroutine[None, None, None]) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coroutine)
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
+
+    def _spawn_poll(self, worker: Worker) -> None:
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(self._poll_models(worker))
+        self._polls.add(task)
+        task.add_done_callback(self._polls.discard)
 
     def _changed(self) -> None:
         self._routable = [
@@ -289,8 +321,13 @@ class WorkerPool:
             and _accepts(generations, w.generation)
             and (only is None or w.url in only)
         ]
+        lora = request.lora_name
+        if lora is not None:
+            candidates = [w for w in candidates if lora in w.adapters]
         if not candidates:
             return None
+        if lora is not None:
+            candidates = list(prefer_active_adapter(candidates, lambda w: lora in w.active_adapters))
         if exclude:
             # Prefer a worker not tried yet; with no other choice, the same one beats failing.
             preferred = [w for w in candidates if w.url not in exclude]
@@ -459,21 +496,82 @@ class WorkerPool:
 
         await asyncio.gather(*(one(w) for w in self._routable))
 
+    # ---- LoRA adapters ----------------------------------------------------------------------
+
+    def serves(self, model: str) -> bool:
+        """Whether any current worker (healthy or not) lists ``model`` as an adapter."""
+        return any(model in w.adapters for w in self._workers.values())
+
+    def serves_healthy(self, model: str, generations: Generations = None, only: AbstractSet[str] | None = None) -> bool:
+        """Whether a healthy worker (of ``generations``, among ``only`` URLs) lists adapter ``model``."""
+        return any(
+            model in w.adapters and _accepts(generations, w.generation) and (only is None or w.url in only)
+            for w in self._routable
+        )
+
+    @property
+    def models_known(self) -> bool:
+        """Whether every healthy worker has told its models (so a name none lists is served nowhere)."""
+        return all(w.models is not None for w in self._routable)
+
+    def model_cards(self) -> dict[str, ModelCard]:
+        """Every adapter some worker lists, by name (the first worker's card, by URL)."""
+        cards: dict[str, ModelCard] = {}
+        for worker in self.workers:
+            for card in worker.models or ():
+                if card.parent is not None:
+                    cards.setdefault(card.id, card)
+        return cards
+
+    async def _poll_models(self, worker: Worker) -> None:
+        """Refresh one worker's adapters (/v1/models) and active adapters (vllm:lora_requests_info)."""
+        timeout = aiohttp.ClientTimeout(total=max(1.0, self._models_interval))
+        try:
+            async with worker.session.get(worker.url + "/v1/models", timeout=timeout) as response:
+                # A worker without /v1/models (an old engine) serves its base model only.
+                cards = parse_models(await response.read()) if response.status == 200 else ()
+            async with worker.session.get(worker.url + "/metrics", timeout=timeout) as response:
+                active = parse_active_adapters(await response.text()) if response.status == 200 else frozenset()
+        except (aiohttp.ClientError, TimeoutError, OSError, ValueError) as error:
+            log.debug("%s worker %s: models not read: %s", self.name, worker.url, error)
+            return  # keep what was known: a worker that does not answer is ejected by the health path
+        adapters = adapter_names(cards)
+        changed = worker.models is None or adapters != worker.adapters
+        if adapters != worker.adapters:
+            log.info("%s worker %s serves adapters: %s", self.name, worker.url, ", ".join(sorted(adapters)) or "-")
+        worker.models, worker.adapters, worker.active_adapters = cards, adapters, active
+        if changed:
+            self._changed()  # waiters for an adapter that just arrived may go now
+
+    async def poll_models(self) -> None:
+        await asyncio.gather(*(self._poll_models(w) for w in list(self._workers.values())))
+
     async def run_background(self) -> None:
-        """Health probes (and load polls for kv-aware routing) until cancelled."""
+        """Health probes (and load polls for kv-aware routing, model polls for LoRA) until cancelled."""
         poll = isinstance(self.policy, KvAware)
         next_poll = 0.0
+        next_models = time.monotonic() + self._models_interval
         while True:
             try:
                 await self.check_ejected()
                 if poll and time.monotonic() >= next_poll:
                     next_poll = time.monotonic() + self._poll_interval
                     await self.poll_load()
+                if self.lora and time.monotonic() >= next_models:
+                    next_models = time.monotonic() + self._models_interval
+                    await self.poll_models()
             except Exception:  # a background loop must survive anything one probe does
                 log.exception("%s pool background check failed", self.name)
-            await asyncio.sleep(min(self._health_interval, self._poll_interval) if poll else self._health_interval)
+            intervals = [self._health_interval]
+            if poll:
+                intervals.append(self._poll_interval)
+            if self.lora:
+                intervals.append(self._models_interval)
+            await asyncio.sleep(min(intervals))
 
     async def close(self) -> None:
+        for poll in list(self._polls):
+            poll.cancel()
         if self.kv_feed is not None:
             await self.kv_feed.close()
         for worker in [*self._workers.values(), *self.departing]:
