@@ -21,10 +21,12 @@ Python
     ``side_channel_port``, ``advertise_host``, ``engine_id``, ``faults: FaultConfig``, ``seed``,
     ``drain_timeout_s``, ``kv_load_failure_policy`` (fail | recompute), ``kv_events:
     KVEventsConfig | None`` (vLLM's --kv-events-config, see "KV-cache events"), ``generation`` (the
-    KV generation it stands for, "" unknown: see "KV generations"). ``PROFILES`` (in
+    KV generation it stands for, "" unknown: see "KV generations"), ``lora: LoRAConfig | None``
+    (vLLM's --enable-lora and its limits, see "LoRA adapters"). ``PROFILES`` (in
     ``config.py``) is the calibration table of profiles ``cpu-tiny`` and ``gpu-h100-8b``;
     ``SimConfig.from_profile(name, **overrides)`` starts from one.
-    ``tokens.generate_text(tokenize(prompt), n, generation)`` gives the exact text a sim answers for a prompt.
+    ``tokens.generate_text(tokenize(prompt), n, generation, lora_name)`` gives the exact text a sim answers
+    for a prompt (``lora_name``: the adapter the request names, None for the base model).
 
 CLI
     splitserve sim-worker --role prefill|decode|aggregated --port N [--host H] [--model NAME]
@@ -35,7 +37,8 @@ CLI
         [--kv-hold-timeout-s S] [--side-channel-port P] [--advertise-host H] [--engine-id ID]
         [--kv-load-failure-policy fail|recompute] [--kv-events-config JSON]
         [--fail-rate P] [--fail-after-tokens N] [--fail-status CODE] [--seed N] [--drain-timeout-s S]
-        [--generation G]
+        [--generation G] [--enable-lora [--max-loras N] [--max-lora-rank R] [--max-cpu-loras C]
+        [--lora-modules NAME=PATH ...] [--adapters-file PATH]]
     Prints one JSON line per worker when it listens: {"event": "ready", "role", "url", "engine_id", "generation"}.
     SIGTERM/SIGINT: drain (new requests get 503, /health 503), then exit 0 (1 if the drain timed out).
 
@@ -43,7 +46,8 @@ HTTP endpoints
     POST /v1/completions, /v1/chat/completions   OpenAI shapes, streaming (SSE + ``data: [DONE]``,
         ``stream_options.include_usage``) or not; ``usage`` with ``prompt_tokens_details.cached_tokens``;
         top-level ``kv_transfer_params`` (null unless this worker holds KV for a remote decode).
-    GET /v1/models, GET /health, GET /metrics (vLLM metric names, labels model_name and engine="0";
+    GET /v1/models (the base model, then each LoRA adapter with ``parent`` and ``root``: its path),
+    GET /health, GET /metrics (vLLM metric names, labels model_name and engine="0";
         plus splitserve_sim_steps_total and splitserve_sim_step_lag_seconds_total, the time steps
         ended later than modelled because the process was short of CPU: check it in benchmarks),
     POST /tokenize {"prompt"| "messages"} -> {"count", "max_model_len", "tokens"}.
@@ -56,7 +60,10 @@ HTTP endpoints
     GET /kv_event_sources -> {"0": <the KV events config, endpoints as bound>}, {} when events are off.
     POST /reset_prefix_cache -> {"success": bool} (vLLM's dev endpoint; false while KV is in use).
     Errors: {"error": {"message", "type", "param", "code"}} with 400 (bad JSON, missing/invalid
-    fields, too long), 404 (unknown model), 500 (KV transfer failed, injected), 503 (draining).
+    fields, too long), 404 (a model neither served nor a loaded adapter: vLLM's "The model `m` does not
+    exist. Valid aliases: BASE." with param "model"), 500 (KV transfer failed, injected), 503 (draining).
+    With --enable-lora: POST /v1/load_lora_adapter {"lora_name", "lora_path", "load_inplace"?} and
+    POST /v1/unload_lora_adapter {"lora_name"}, answered as vLLM answers them (see lora.py).
 
 P/D handshake (vLLM NixlConnector protocol). Prefill and decode workers have a KV connector;
 aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
@@ -77,7 +84,9 @@ aggregated workers ignore ``kv_transfer_params`` like vLLM without a connector.
        (with ``kv_load_failure_policy=recompute`` the decode worker prefills locally instead and
        answers normally; the counter still rises). Malformed params: HTTP 400. The prefill side counts
        each pull it refuses in ``splitserve_sim_kv_pulls_refused_total{reason}`` (generation,
-       unknown_engine, unknown_blocks, other_request, other_prompt).
+       unknown_engine, unknown_blocks, other_request, other_adapter, other_prompt). KV computed for one
+       LoRA adapter (or the base model) is refused to a decode request for another: real NIXL would
+       hand it over and the decode would answer wrong text that looks fine.
 
 KV generations. ``--generation G`` says which model revision + engine image the worker stands for.
 Its output text is seeded by it (tokens.generation_seed; "" leaves the text as without it), and a
@@ -101,6 +110,16 @@ KV is stored when the pull completes. ``BlockRemoved`` (one hash each) when a ca
 evicted for reuse. ``AllBlocksCleared`` on /reset_prefix_cache. Block hashes are unsigned 64-bit
 chains over the token ids (``tokens.block_hashes``).
 
+LoRA adapters (``--enable-lora``, lora.py). Adapters come from ``--lora-modules`` at start, the runtime
+API, or ``--adapters-file`` (the adapter sync of ``splitserve.engine.adapters`` drives that API as the
+file changes). An adapter is a folder with a peft ``adapter_config.json`` (only its rank is read). A
+request for an adapter answers other text than the base model's (the name seeds it, tokens.py), its
+blocks hash with the adapter as vLLM's extra key ``("lora", name, path)`` (prefix hits only under the
+same adapter) and its ``BlockStored`` events carry ``lora_id``, ``lora_name`` and ``extra_keys``
+(``[name]`` per block). A batch holds at most ``max_loras`` adapters (others wait), and
+``vllm:lora_requests_info{max_lora, waiting_lora_adapters, running_lora_adapters}`` is set to the time
+after each step, as vLLM reports it (both lists name every adapter with a request in the engine).
+
 Model of the engine: one asyncio step loop per worker does continuous batching (see scheduler.py):
 each step decodes one token for every running sequence and prefills prompt chunks within
 ``max_num_batched_tokens``; a step lasts ``LatencyModel.step_seconds(...) * time_scale``. Requests
@@ -116,6 +135,7 @@ from splitserve.sim.config import (
     KVEventsConfig,
     KVLoadFailurePolicy,
     LatencyModel,
+    LoRAConfig,
     Profile,
     Role,
     SimConfig,
@@ -131,6 +151,7 @@ __all__ = [
     "KVEventsConfig",
     "KVLoadFailurePolicy",
     "LatencyModel",
+    "LoRAConfig",
     "Profile",
     "Role",
     "SimConfig",

@@ -15,10 +15,12 @@ from splitserve.sim.config import (
     KVEventsConfig,
     KVLoadFailurePolicy,
     LatencyModel,
+    LoRAConfig,
     Role,
     SimConfig,
 )
 from splitserve.sim.kv_publisher import KVEventsBindError
+from splitserve.sim.lora import parse_lora_module
 from splitserve.sim.server import SimWorker, run_event_loop, serve
 
 _LATENCY_FIELDS = [f.name for f in dataclasses.fields(LatencyModel)]
@@ -66,6 +68,26 @@ def configure(parser: argparse.ArgumentParser) -> None:
         help="vLLM's flag: publish KV-cache events over ZMQ, e.g. "
         '\'{"enable_kv_cache_events": true, "publisher": "zmq", "endpoint": "tcp://*:5557", "topic": "kv"}\'',
     )
+    lora = parser.add_argument_group("LoRA adapters (vLLM's flags)")
+    lora.add_argument("--enable-lora", action="store_true", help="serve LoRA adapters besides the base model")
+    lora.add_argument("--max-loras", type=int, default=1, help="adapters one batch may hold (default 1)")
+    lora.add_argument("--max-lora-rank", type=int, default=16, help="adapters of a higher rank fail to load")
+    lora.add_argument("--max-cpu-loras", type=int, default=None, help="accepted; the simulator keeps no weights")
+    lora.add_argument(
+        "--lora-modules",
+        nargs="+",
+        type=_lora_module,
+        default=[],
+        metavar="NAME=PATH",
+        help='adapters to load at start (a folder with adapter_config.json), or \'{"name": ..., "path": ...}\'',
+    )
+    lora.add_argument(
+        "--adapters-file",
+        default=None,
+        metavar="PATH",
+        help="keep the loaded adapters equal to this adapters file at run time (splitserve.engine.adapters; "
+        "needs --enable-lora)",
+    )
     faults = parser.add_argument_group("fault injection")
     faults.add_argument("--fail-rate", type=float, default=0.0, help="fraction of requests answered with 500")
     faults.add_argument("--fail-after-tokens", type=int, default=None, help="drop the connection after N tokens")
@@ -80,6 +102,24 @@ def _kv_events_config(text: str) -> KVEventsConfig:
         return KVEventsConfig.from_json(text)
     except (ValueError, TypeError) as error:
         raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def _lora_module(text: str) -> tuple[str, str]:
+    try:
+        return parse_lora_module(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from error
+
+
+def lora_config_from_args(args: argparse.Namespace) -> LoRAConfig | None:
+    if not args.enable_lora:
+        return None
+    return LoRAConfig(
+        max_loras=args.max_loras,
+        max_lora_rank=args.max_lora_rank,
+        max_cpu_loras=args.max_cpu_loras,
+        modules=tuple(args.lora_modules),
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> SimConfig:
@@ -112,6 +152,7 @@ def config_from_args(args: argparse.Namespace) -> SimConfig:
         kv_events=args.kv_events_config,
         tokenizer=args.tokenizer,
         generation=args.generation,
+        lora=lora_config_from_args(args),
     )
 
 
@@ -134,6 +175,8 @@ def run(args: argparse.Namespace) -> int:
         problems.append("--count must be at least 1")
     if args.count > 1 and (args.engine_id or args.side_channel_port):
         problems.append("--engine-id and --side-channel-port need --count 1")
+    if not args.enable_lora and (args.lora_modules or args.adapters_file):
+        problems.append("--lora-modules and --adapters-file need --enable-lora")
     if problems:
         print("splitserve sim-worker: " + "; ".join(problems), file=sys.stderr)
         return 2
@@ -147,7 +190,10 @@ def run(args: argparse.Namespace) -> int:
         for i in range(args.count)
     ]
     try:
-        drained = run_event_loop(lambda: serve(configs, announce=_announce))
+        drained = run_event_loop(lambda: serve(configs, announce=_announce, adapters_file=args.adapters_file))
+    except ValueError as error:  # an adapter of --lora-modules cannot be loaded
+        print(f"splitserve sim-worker: {error}", file=sys.stderr)
+        return 1
     except KVEventsBindError as error:
         print(f"splitserve sim-worker: {error}", file=sys.stderr)
         return 1

@@ -183,6 +183,33 @@ class KVEventsConfig:
         return found
 
 
+@dataclass(frozen=True)
+class LoRAConfig:
+    """vLLM's LoRA engine arguments; a config with one (``--enable-lora``) serves LoRA adapters."""
+
+    max_loras: int = 1
+    """--max-loras: adapters one batch may hold; a request for another waits for a slot."""
+    max_lora_rank: int = 16
+    """--max-lora-rank: an adapter of a higher rank fails to load."""
+    max_cpu_loras: int | None = None
+    """--max-cpu-loras: accepted for vLLM's sake (the simulator keeps no weights to evict)."""
+    modules: tuple[tuple[str, str], ...] = ()
+    """--lora-modules: (name, path) of the adapters loaded at start (a failure stops the start)."""
+
+    def problems(self) -> list[str]:
+        found = []
+        if self.max_loras < 1:
+            found.append("max_loras must be at least 1")
+        if self.max_lora_rank < 1:
+            found.append("max_lora_rank must be at least 1")
+        if self.max_cpu_loras is not None and self.max_cpu_loras < self.max_loras:
+            found.append(f"max_cpu_loras ({self.max_cpu_loras}) must be >= max_loras ({self.max_loras})")
+        names = [name for name, _ in self.modules]
+        if len(set(names)) != len(names):
+            found.append("--lora-modules names a LoRA adapter twice")
+        return found
+
+
 _KV_EVENTS_TYPES: dict[str, tuple[type, ...]] = {
     "enable_kv_cache_events": (bool,),
     "publisher": (str, type(None)),
@@ -243,6 +270,8 @@ class SimConfig:
     """The KV generation (model revision + engine image) this engine stands for; "" is unknown. It seeds
     the generated text, and a prefill engine refuses KV pulls from a decode engine of another one (as
     vLLM's NIXL handshake refuses an incompatible peer)."""
+    lora: LoRAConfig | None = None
+    """vLLM's --enable-lora and its limits; None serves the base model only."""
 
     def __post_init__(self) -> None:
         # Accept plain strings ("decode") from callers that build configs from text.
@@ -268,6 +297,11 @@ class SimConfig:
             found.append("kv_hold_timeout_s must be positive")
         if self.kv_events is not None:
             found.extend(self.kv_events.problems())
+        if self.lora is not None:
+            found.extend(self.lora.problems())
+            found.extend(
+                f"--lora-modules {name}: the base model's name" for name, _ in self.lora.modules if name == self.model
+            )
         return found
 
     @property

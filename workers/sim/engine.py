@@ -31,8 +31,8 @@ MAX_CATCH_UP_S = 0.05
 
 
 class KVTransferError(Exception):
-    """A KV pull failed: other generation, unknown engine, unknown or expired blocks, prompt mismatch,
-    unreachable peer. ``reason`` labels the prefill side's refusal counter."""
+    """A KV pull failed: other generation, unknown engine, unknown or expired blocks, another adapter,
+    prompt mismatch, unreachable peer. ``reason`` labels the prefill side's refusal counter."""
 
     def __init__(self, message: str, reason: str = "other") -> None:
         super().__init__(message)
@@ -76,16 +76,23 @@ class PullRequest:
     transfer_seconds: float
     generation: str = ""
     """The pulling (decode) engine's KV generation."""
+    lora_name: str | None = None
+    """The LoRA adapter the decode request is for (None: the base model)."""
 
     def to_json(self) -> dict[str, object]:
         return {
             "engine_id": self.engine_id,
             "generation": self.generation,
+            "lora_name": self.lora_name,
             "block_ids": self.block_ids,
             "request_id": self.request_id,
             "prompt_digest": self.prompt_digest,
             "transfer_seconds": self.transfer_seconds,
         }
+
+
+def _model_of(lora_name: str | None) -> str:
+    return "the base model" if lora_name is None else f"LoRA adapter {lora_name!r}"
 
 
 KVPuller = Callable[[RemotePrefill, PullRequest], Awaitable[None]]
@@ -131,6 +138,7 @@ class _HeldKV:
     request_id: str
     block_ids: list[int]
     prompt_digest: str
+    lora_name: str | None = None
     expiry: asyncio.TimerHandle | None = None
 
 
@@ -142,7 +150,10 @@ class SimEngine:
         self.engine_id = engine_id
         self._puller = puller
         self._kv_events = kv_events
-        self.scheduler = Scheduler(config.limits, enable_kv_cache_events=kv_events is not None)
+        max_loras = config.lora.max_loras if config.lora is not None else None
+        self.scheduler = Scheduler(
+            config.limits, enable_kv_cache_events=kv_events is not None, max_loras=max_loras or 1
+        )
         self.metrics = SimMetrics(
             config.model,
             config.limits,
@@ -152,6 +163,7 @@ class SimEngine:
                 deferred=lambda: float(self.scheduler.num_deferred),
                 kv_usage=lambda: self.scheduler.pool.usage,
             ),
+            max_loras=max_loras,
         )
         self._requests: dict[Sequence, EngineRequest] = {}
         self._held: dict[tuple[int, ...], _HeldKV] = {}
@@ -209,6 +221,8 @@ class SimEngine:
         if self._requests.pop(request.seq, None) is not None:
             self.scheduler.abort(request.seq)
             self._wake.set()
+            if request.seq.lora is not None:
+                self._report_loras()  # no step may follow to say the adapter left
 
     @property
     def num_held(self) -> int:
@@ -259,6 +273,13 @@ class SimEngine:
             raise KVTransferError(
                 f"block ids belong to request {held.request_id}, not {pull.request_id}", "other_request"
             )
+        if pull.lora_name != held.lora_name:
+            # Real NIXL would hand the blocks over and the decode would answer wrong text that looks fine.
+            raise KVTransferError(
+                f"KV blocks were computed for {_model_of(held.lora_name)}, the decode request is for "
+                f"{_model_of(pull.lora_name)}",
+                "other_adapter",
+            )
         if pull.prompt_digest != held.prompt_digest:
             raise KVTransferError("KV blocks were computed for a different prompt", "other_prompt")
         return held
@@ -270,7 +291,7 @@ class SimEngine:
         extra = seq.block_ids[len(prompt_blocks) :]
         if extra:
             self.scheduler.pool.free(extra)
-        held = _HeldKV(seq.request_id, prompt_blocks, seq.digest().hex())
+        held = _HeldKV(seq.request_id, prompt_blocks, seq.digest().hex(), seq.lora_name)
         held.expiry = asyncio.get_running_loop().call_later(self.config.kv_hold_timeout_s, self._expire, key)
         self._held[key] = held
         seq.block_ids = []
@@ -310,6 +331,7 @@ class SimEngine:
             prompt_digest=request.seq.digest().hex(),
             transfer_seconds=self.config.latency.transfer_seconds(len(remote.block_ids)) * self.config.time_scale,
             generation=self.config.generation,
+            lora_name=request.seq.lora_name,
         )
         try:
             await self._puller(remote, pull)
@@ -395,6 +417,15 @@ class SimEngine:
             self._observe_finished(request, now)
             params = self._hold(request) if seq.remote_decode else None
             request.events.put_nowait(DoneEvent(params))
+        if self.config.lora is not None:
+            self._report_loras()
+
+    def _report_loras(self) -> None:
+        """vLLM's vllm:lora_requests_info after each step: the adapters of the requests in the engine.
+        vLLM (0.32, LoRARequestStates) keys both label lists by every adapter with a waiting or a
+        running request, so both name the same adapters; the simulator does the same."""
+        names = dict.fromkeys(seq.lora_name for seq in self._requests if seq.lora is not None)
+        self.metrics.report_loras([name for name in names if name])
 
     def set_kv_event_sink(self, sink: KVEventSink) -> None:
         self._kv_events = sink

@@ -12,7 +12,9 @@ engine drains them once per step with ``take_events``:
 
 * ``BlockStored`` when full blocks of one request enter the prefix cache (``cache_full_blocks``):
   one event for the run of newly cached blocks, its parent the hash of the block before them
-  (None when they start the sequence), with exactly those blocks' token ids.
+  (None when they start the sequence), with exactly those blocks' token ids; for a LoRA request its
+  ``lora_id``, ``lora_name`` and ``extra_keys``, the adapter's name once per block (vLLM's untagged
+  form of the ``("lora", name, path)`` key it hashes).
 * ``BlockRemoved`` for each cached block evicted when the free queue hands it out again.
 * ``AllBlocksCleared`` when the prefix cache is reset.
 
@@ -118,6 +120,8 @@ class KVBlockPool:
         token_ids: Sequence[int],
         num_cached_blocks: int,
         num_full_blocks: int,
+        lora_id: int | None = None,
+        lora_name: str | None = None,
     ) -> None:
         """Put blocks ``num_cached_blocks`` to ``num_full_blocks`` of a request into the prefix cache.
 
@@ -125,7 +129,7 @@ class KVBlockPool:
         its chained block hashes (at least ``num_full_blocks``), ``token_ids`` the tokens of the newly
         full blocks only (prompt then output: vLLM passes the whole request, a slice is cheaper);
         blocks before ``num_cached_blocks`` are cached already (prefix hits or earlier steps) and are
-        not announced again.
+        not announced again. ``lora_id`` and ``lora_name``: the request's adapter (None: the base model).
         """
         if not self.enable_prefix_caching or num_cached_blocks >= num_full_blocks:
             return
@@ -140,9 +144,10 @@ class KVBlockPool:
                     parent_block_hash=hashes[num_cached_blocks - 1] if num_cached_blocks else None,
                     token_ids=list(token_ids),
                     block_size=self.block_size,
-                    lora_id=None,
+                    lora_id=lora_id,
                     medium=self.medium,
-                    lora_name=None,
+                    lora_name=lora_name,
+                    extra_keys=[(lora_name,)] * (num_full_blocks - num_cached_blocks) if lora_name else None,
                     group_idx=KV_CACHE_GROUP,
                 )
             )

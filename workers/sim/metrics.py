@@ -30,8 +30,9 @@ REQUEST_LATENCY_BUCKETS = (
 PROMPT_SOURCES = ("local_compute", "local_cache_hit", "external_kv_transfer")
 WAITING_REASONS = ("capacity", "deferred")
 # Why a prefill engine refuses a KV pull: a puller of another KV generation, an unknown engine id,
-# unknown or expired blocks, blocks of another request, or of another prompt.
-PULL_REFUSALS = ("generation", "unknown_engine", "unknown_blocks", "other_request", "other_prompt")
+# unknown or expired blocks, blocks of another request, computed for another LoRA adapter (or for the
+# base model), or of another prompt.
+PULL_REFUSALS = ("generation", "unknown_engine", "unknown_blocks", "other_request", "other_adapter", "other_prompt")
 
 
 @dataclass(frozen=True)
@@ -58,7 +59,7 @@ def token_count_buckets(max_model_len: int) -> tuple[float, ...]:
 
 
 class SimMetrics:
-    def __init__(self, model_name: str, limits: EngineLimits, live: LiveState) -> None:
+    def __init__(self, model_name: str, limits: EngineLimits, live: LiveState, max_loras: int | None = None) -> None:
         self.registry = CollectorRegistry(auto_describe=True)
         labels = {"model_name": model_name, "engine": "0"}
         names = list(labels)
@@ -188,6 +189,19 @@ class SimMetrics:
             REQUEST_LATENCY_BUCKETS,
         )
 
+        # LoRA (--enable-lora): as vLLM, labels max_lora and the adapters with requests in the engine, no
+        # model_name or engine; each report sets its series to the time, so the newest series is the
+        # current state (older label sets stay, with their older times).
+        self._max_loras = max_loras
+        self._lora_info: Gauge | None = None
+        if max_loras is not None:
+            self._lora_info = Gauge(
+                "vllm:lora_requests_info",
+                "Running stats on lora requests.",
+                ["max_lora", "waiting_lora_adapters", "running_lora_adapters"],
+                registry=registry,
+            )
+
         # Simulator health, not vLLM metrics: when the process is CPU-starved the step loop ends
         # steps later than modelled; benchmarks should check this lag stays small before trusting
         # latency figures.
@@ -197,6 +211,15 @@ class SimMetrics:
             "Total time engine steps ended later than the latency model says.",
             registry=registry,
         )
+
+    def report_loras(self, adapters: list[str]) -> None:
+        """One vllm:lora_requests_info report: ``adapters`` have requests waiting or running."""
+        if self._lora_info is None:
+            return
+        names = ",".join(adapters)
+        self._lora_info.labels(
+            max_lora=str(self._max_loras), waiting_lora_adapters=names, running_lora_adapters=names
+        ).set_to_current_time()
 
     def exposition(self) -> bytes:
         # vLLM turns off the ``*_created`` series; prometheus_client can only do that process-wide,

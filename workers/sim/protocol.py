@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import time
+from collections.abc import Container
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -35,22 +36,34 @@ ERROR_TYPES = {
 
 
 class RequestError(Exception):
-    """A request the simulator refuses; becomes an OpenAI-style JSON error with ``status``."""
+    """A request the simulator refuses; becomes an OpenAI-style JSON error with ``status`` (and vLLM's
+    ``err_type`` and ``param`` where they are not the status's usual type and null)."""
 
-    def __init__(self, status: int, message: str) -> None:
+    def __init__(self, status: int, message: str, err_type: str | None = None, param: str | None = None) -> None:
         super().__init__(message)
         self.status = status
         self.message = message
+        self.err_type = err_type
+        self.param = param
 
 
-def error_body(status: int, message: str) -> dict[str, object]:
-    return {"error": {"message": message, "type": ERROR_TYPES.get(status, "APIError"), "param": None, "code": status}}
+def error_body(status: int, message: str, err_type: str | None = None, param: str | None = None) -> dict[str, object]:
+    kind = err_type or ERROR_TYPES.get(status, "APIError")
+    return {"error": {"message": message, "type": kind, "param": param, "code": status}}
+
+
+def model_not_found(model: object, served_model: str) -> RequestError:
+    """vLLM's answer for a model name it does not serve (neither the base model nor a loaded adapter)."""
+    return RequestError(
+        404, f"The model `{model}` does not exist. Valid aliases: {served_model}.", "NotFoundError", "model"
+    )
 
 
 @dataclass(frozen=True)
 class GenerationRequest:
     chat: bool
     model: str
+    """The model name the request asked for: the base model's, or a loaded LoRA adapter's."""
     prompt_token_ids: list[int]
     max_tokens: int
     stream: bool
@@ -113,10 +126,13 @@ def parse_generation(
     served_model: str,
     limits: EngineLimits,
     tokenizer: ChatTokenizer | None = None,
+    adapters: Container[str] = (),
 ) -> GenerationRequest:
-    model = body.get("model", served_model)
-    if model != served_model:
-        raise RequestError(404, f"The model `{model}` does not exist.")
+    """Check and read a generation request; ``adapters``: the names of the LoRA adapters loaded."""
+    model = body.get("model") or served_model
+    if model != served_model and not (isinstance(model, str) and model in adapters):
+        raise model_not_found(model, served_model)
+    assert isinstance(model, str)
     tokens = prompt_tokens_of(body, chat, tokenizer)
     if not tokens:
         raise RequestError(400, "the prompt must contain at least one token")
@@ -147,7 +163,7 @@ def parse_generation(
     params = body.get("kv_transfer_params")
     if params is not None and not isinstance(params, dict):
         raise RequestError(400, "'kv_transfer_params' must be an object")
-    return GenerationRequest(chat, served_model, tokens, max_tokens, stream, include_usage, params)
+    return GenerationRequest(chat, model, tokens, max_tokens, stream, include_usage, params)
 
 
 def usage(prompt_tokens: int, completion_tokens: int, cached_tokens: int) -> dict[str, object]:

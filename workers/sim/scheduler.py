@@ -19,6 +19,12 @@ Prefix caching follows vLLM's ``KVCacheManager``: once a step has computed the t
 block (prompt or generated), the block's hash is registered in the pool (``cache_full_blocks``),
 which is also when the pool records a ``BlockStored`` event; pulled KV is registered when the pull
 completes. Hashes chain over the prompt and then the output tokens, as vLLM's request block hashes do.
+
+LoRA: a request for an adapter mixes the adapter into every block hash (vLLM's extra key ``("lora",
+name, path)``), so its blocks are never a prefix hit for another adapter or the base model, and its
+``BlockStored`` events carry ``lora_id``, ``lora_name`` and ``extra_keys``. As vLLM's scheduler, a
+batch holds requests of at most ``max_loras`` adapters: a request for another adapter waits (the
+requests behind it may go first) until a running adapter's last request leaves the batch.
 """
 
 from __future__ import annotations
@@ -29,7 +35,16 @@ from enum import Enum
 
 from splitserve.sim.config import EngineLimits, LatencyModel
 from splitserve.sim.kv import KVBlockPool
-from splitserve.sim.tokens import block_hash, block_hashes, generation_seed, output_token, prompt_digest
+from splitserve.sim.lora import LoRARequest
+from splitserve.sim.tokens import (
+    adapter_seed,
+    block_hash,
+    block_hashes,
+    generation_seed,
+    lora_extra_key,
+    output_token,
+    prompt_digest,
+)
 
 
 class Phase(Enum):
@@ -53,6 +68,8 @@ class Sequence:
     """Keep the KV after finishing so a remote decode engine can pull it (prefill side of P/D)."""
     generation: str = ""
     """The engine's KV generation: it seeds the output tokens (tokens.generation_seed)."""
+    lora: LoRARequest | None = None
+    """The LoRA adapter the request is for (None: the base model): it seeds the output and keys the blocks."""
     phase: Phase = Phase.WAITING
     kv_pulled: bool = False
     block_ids: list[int] = field(default_factory=list)
@@ -85,8 +102,17 @@ class Sequence:
     def seed(self) -> bytes:
         """What the output tokens are drawn from: the prompt's digest mixed with the generation."""
         if not self._seed:
-            self._seed = generation_seed(self.digest(), self.generation)
+            seed = generation_seed(self.digest(), self.generation)
+            self._seed = adapter_seed(seed, self.lora.name if self.lora is not None else None)
         return self._seed
+
+    @property
+    def lora_name(self) -> str | None:
+        return self.lora.name if self.lora is not None else None
+
+    def extra_key(self) -> int:
+        """What every block hash of this request mixes in: its adapter (0 for the base model)."""
+        return 0 if self.lora is None else lora_extra_key(self.lora.name, self.lora.path)
 
     def token_slice(self, start: int, end: int) -> list[int]:
         """Tokens ``start:end`` of prompt then output (what the KV cache holds, in order)."""
@@ -104,13 +130,14 @@ class Sequence:
         wanted = (self.num_prompt_tokens if num_tokens is None else num_tokens) // block_size
         if len(self._hashes) < wanted:
             done = len(self._hashes)
+            extra = self.extra_key()
             if not done and wanted * block_size <= self.num_prompt_tokens:
-                self._hashes = block_hashes(self.prompt_token_ids, block_size)  # all prompt blocks at once
+                self._hashes = block_hashes(self.prompt_token_ids, block_size, extra)  # all prompt blocks at once
             else:
                 tokens = self.token_slice(done * block_size, wanted * block_size)
                 parent = self._hashes[-1] if done else 0
                 for offset in range(0, len(tokens), block_size):
-                    parent = block_hash(parent, tokens[offset : offset + block_size])
+                    parent = block_hash(parent, tokens[offset : offset + block_size], extra)
                     self._hashes.append(parent)
         return self._hashes
 
@@ -156,8 +183,9 @@ class StepResult:
 
 
 class Scheduler:
-    def __init__(self, limits: EngineLimits, enable_kv_cache_events: bool = False) -> None:
+    def __init__(self, limits: EngineLimits, enable_kv_cache_events: bool = False, max_loras: int = 1) -> None:
         self.limits = limits
+        self.max_loras = max_loras
         self.pool = KVBlockPool(
             limits.num_kv_blocks,
             limits.block_size,
@@ -235,7 +263,16 @@ class Scheduler:
             return
         hashes = seq.hashes(size, num_full * size)
         tokens = seq.token_slice(seq.num_cached_blocks * size, num_full * size)
-        self.pool.cache_full_blocks(seq.block_ids, hashes, tokens, seq.num_cached_blocks, num_full)
+        lora = seq.lora
+        self.pool.cache_full_blocks(
+            seq.block_ids,
+            hashes,
+            tokens,
+            seq.num_cached_blocks,
+            num_full,
+            lora_id=lora.int_id if lora is not None else None,
+            lora_name=lora.name if lora is not None else None,
+        )
         seq.num_cached_blocks = num_full
 
     def pull_done(self, seq: Sequence) -> None:
@@ -301,14 +338,30 @@ class Scheduler:
         # (blocks allocated, WAITING_FOR_REMOTE_KVS) starts only while the batch has a free slot
         # and a full decode leaves the KV held on the prefill side. Requests whose KV arrived are
         # taken first (its kv_holding_waiting queue). Pulling requests stay out of `running` and
-        # take no slot, so a free slot lets every waiting pull start in the same step.
+        # take no slot, so a free slot lets every waiting pull start in the same step. A request
+        # whose adapter would be one more than max_loras in the batch is skipped, in both queues,
+        # and keeps its place.
+        loras = {seq.lora_name for seq in self.running if seq.lora is not None}
+        skipped: list[Sequence] = []
         while self.ready and len(self.running) < self.limits.max_num_seqs:
             seq = self.ready.popleft()
-            seq.phase = Phase.RUNNING
-            self.running.append(seq)
-            plan.admitted.append(seq)
+            if not self._lora_fits(seq, loras):
+                skipped.append(seq)
+                continue
+            self._run(seq, plan, loras)
+        self.ready.extendleft(reversed(skipped))
+        skipped = []
+        try:
+            self._admit_waiting(plan, loras, skipped)
+        finally:
+            self.waiting.extendleft(reversed(skipped))
+
+    def _admit_waiting(self, plan: StepPlan, loras: set[str | None], skipped: list[Sequence]) -> None:
         while self.waiting and len(self.running) < self.limits.max_num_seqs:
             seq = self.waiting[0]
+            if not self._lora_fits(seq, loras):
+                skipped.append(self.waiting.popleft())
+                continue
             if seq.remote_prefill and not seq.kv_pulled:
                 allocation = self.pool.allocate(seq.num_prompt_tokens)
                 if allocation is None:
@@ -331,9 +384,17 @@ class Scheduler:
             seq.prefill_target = target
             if not seq.output and not seq.num_preemptions:
                 seq.num_cached_tokens = allocation.num_cached_tokens
-            seq.phase = Phase.RUNNING
-            self.running.append(seq)
-            plan.admitted.append(seq)
+            self._run(seq, plan, loras)
+
+    def _lora_fits(self, seq: Sequence, loras: set[str | None]) -> bool:
+        return seq.lora is None or seq.lora_name in loras or len(loras) < self.max_loras
+
+    def _run(self, seq: Sequence, plan: StepPlan, loras: set[str | None]) -> None:
+        seq.phase = Phase.RUNNING
+        self.running.append(seq)
+        plan.admitted.append(seq)
+        if seq.lora is not None:
+            loras.add(seq.lora_name)
 
     def _make_room(self, seq: Sequence, num_tokens: int, plan: StepPlan) -> bool:
         """Grow ``seq`` to ``num_tokens`` slots, preempting the newest sequences if KV is full."""

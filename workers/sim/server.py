@@ -30,12 +30,14 @@ from splitserve.sim.engine import (
     TokenEvent,
 )
 from splitserve.sim.kv_publisher import ZmqEventPublisher
+from splitserve.sim.lora import LoRARegistry
 from splitserve.sim.protocol import (
     SSE_DONE,
     GenerationRequest,
     RequestError,
     ResponseShape,
     error_body,
+    model_not_found,
     parse_generation,
     parse_json_object,
     prompt_tokens_of,
@@ -87,8 +89,12 @@ class FaultState:
             self.fail_after_tokens = after
 
 
-def json_error(status: int, message: str) -> web.Response:
-    return web.json_response(error_body(status, message), status=status)
+def json_error(status: int, message: str, err_type: str | None = None, param: str | None = None) -> web.Response:
+    return web.json_response(error_body(status, message, err_type, param), status=status)
+
+
+def request_error(error: RequestError) -> web.Response:
+    return json_error(error.status, error.message, error.err_type, error.param)
 
 
 def _as_bind(endpoint: str | None) -> str | None:
@@ -109,6 +115,16 @@ class SimWorker:
         self.faults = FaultState.from_config(self.config.faults)
         # The model's real tokenizer, when given: prompts then become the token ids vLLM would compute.
         self.tokenizer = HuggingFaceTokenizer(self.config.tokenizer) if self.config.tokenizer else None
+        # --enable-lora: the adapters served besides the base model; --lora-modules are loaded now, and a
+        # failure stops the start, as in vLLM.
+        self.loras: LoRARegistry | None = None
+        if self.config.lora is not None:
+            self.loras = LoRARegistry(self.config.model, self.config.lora.max_lora_rank)
+            for name, path in self.config.lora.modules:
+                try:
+                    self.loras.load(name, path)
+                except RequestError as error:
+                    raise ValueError(f"--lora-modules {name}={path}: {error.message}") from error
         self.draining = False
         self.port = self.config.port
         self.engine: SimEngine | None = None
@@ -164,6 +180,14 @@ class SimWorker:
                 web.post("/admin/faults", self._set_faults),
             ]
         )
+        if self.loras is not None:
+            # vLLM serves these with VLLM_ALLOW_RUNTIME_LORA_UPDATING; the simulator whenever LoRA is on.
+            app.add_routes(
+                [
+                    web.post("/v1/load_lora_adapter", self._load_lora_adapter),
+                    web.post("/v1/unload_lora_adapter", self._unload_lora_adapter),
+                ]
+            )
         # handler_cancellation: a client that disconnects aborts its request, as in vLLM.
         self._runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=2.0)
         await self._runner.setup()
@@ -282,11 +306,16 @@ class SimWorker:
             return json_error(500, "injected fault: random failure")
         try:
             parsed = parse_generation(
-                parse_json_object(await request.read()), chat, self.config.model, self.config.limits, self.tokenizer
+                parse_json_object(await request.read()),
+                chat,
+                self.config.model,
+                self.config.limits,
+                self.tokenizer,
+                adapters=self.loras if self.loras is not None else (),
             )
             engine_request = self._engine_request(request, parsed)
         except RequestError as error:
-            return json_error(error.status, error.message)
+            return request_error(error)
         remote = parsed.kv_transfer_params or {}
         if self.faults.kv_status is not None and remote.get("remote_engine_id"):
             return json_error(self.faults.kv_status, "Internal server error")
@@ -321,6 +350,7 @@ class SimWorker:
             remote_prefill=remote_prefill is not None,
             remote_decode=has_connector and bool(params.get("do_remote_decode")),
             generation=self.config.generation,
+            lora=self.loras.get(parsed.model) if self.loras is not None else None,
         )
         return EngineRequest(seq=seq, remote_prefill=remote_prefill)
 
@@ -435,9 +465,10 @@ class SimWorker:
                 prompt_digest=str(body["prompt_digest"]),
                 transfer_seconds=float(body.get("transfer_seconds", 0.0)),  # type: ignore[arg-type]
                 generation=str(body.get("generation") or ""),
+                lora_name=None if body.get("lora_name") is None else str(body["lora_name"]),
             )
         except RequestError as error:
-            return json_error(error.status, error.message)
+            return request_error(error)
         except (KeyError, TypeError, ValueError) as error:
             return json_error(400, f"malformed KV pull request: {error!r}")
         try:
@@ -459,7 +490,39 @@ class SimWorker:
             "max_model_len": self.config.limits.max_model_len,
             "permission": [],
         }
-        return web.json_response({"object": "list", "data": [model]})
+        # vLLM's adapter cards: root is the path it was loaded from, parent the base model.
+        adapters = [
+            {
+                "id": lora.name,
+                "object": "model",
+                "created": model["created"],
+                "owned_by": "vllm",
+                "root": lora.path,
+                "parent": self.config.model,
+                "max_model_len": None,
+                "permission": [],
+            }
+            for lora in (self.loras.adapters if self.loras is not None else [])
+        ]
+        return web.json_response({"object": "list", "data": [model, *adapters]})
+
+    async def _load_lora_adapter(self, request: web.Request) -> web.Response:
+        assert self.loras is not None
+        try:
+            body = parse_json_object(await request.read())
+            message = self.loras.load(body.get("lora_name"), body.get("lora_path"), bool(body.get("load_inplace")))
+        except RequestError as error:
+            return request_error(error)
+        log.info("Loaded new LoRA adapter: name %r, path %r", body.get("lora_name"), body.get("lora_path"))
+        return web.Response(text=message)
+
+    async def _unload_lora_adapter(self, request: web.Request) -> web.Response:
+        assert self.loras is not None
+        try:
+            message = self.loras.unload(parse_json_object(await request.read()).get("lora_name"))
+        except RequestError as error:
+            return request_error(error)
+        return web.Response(text=message)
 
     async def _health(self, request: web.Request) -> web.Response:
         return web.Response(status=503 if self.draining else 200)
@@ -477,12 +540,12 @@ class SimWorker:
     async def _tokenize(self, request: web.Request) -> web.Response:
         try:
             body = parse_json_object(await request.read())
-            model = body.get("model", self.config.model)
-            if model != self.config.model:
-                raise RequestError(404, f"The model `{model}` does not exist.")
+            model = body.get("model") or self.config.model
+            if model != self.config.model and (self.loras is None or model not in self.loras):
+                raise model_not_found(model, self.config.model)
             tokens = prompt_tokens_of(body, chat="messages" in body, tokenizer=self.tokenizer)
         except RequestError as error:
-            return json_error(error.status, error.message)
+            return request_error(error)
         return web.json_response(
             {"count": len(tokens), "max_model_len": self.config.limits.max_model_len, "tokens": tokens}
         )
@@ -496,7 +559,7 @@ class SimWorker:
             if self.tokenizer is None:
                 raise RequestError(400, "this simulator has no --tokenizer: its stand-in tokens cannot be decoded")
         except RequestError as error:
-            return json_error(error.status, error.message)
+            return request_error(error)
         return web.json_response({"prompt": self.tokenizer.decode(tokens)})
 
     async def _kv_event_sources(self, request: web.Request) -> web.Response:
@@ -513,7 +576,7 @@ class SimWorker:
         try:
             self.faults.update(parse_json_object(await request.read()))
         except RequestError as error:
-            return json_error(error.status, error.message)
+            return request_error(error)
         return web.json_response(dataclasses.asdict(self.faults))
 
 
@@ -578,14 +641,30 @@ class SimFleet:
         await self.stop()
 
 
-async def serve(configs: Iterable[SimConfig], announce: Callable[[SimWorker], None] | None = None) -> bool:
-    """Run workers until SIGTERM or SIGINT, then drain them. Returns whether the drain finished in time."""
+async def serve(
+    configs: Iterable[SimConfig],
+    announce: Callable[[SimWorker], None] | None = None,
+    adapters_file: str | None = None,
+) -> bool:
+    """Run workers until SIGTERM or SIGINT, then drain them. Returns whether the drain finished in time.
+
+    With ``adapters_file``, each worker runs the adapter sync beside it (``splitserve.engine.adapters``,
+    as `splitserve worker` runs it beside vLLM): its LoRA adapters follow the file at run time.
+    """
     fleet = SimFleet(configs)
     await fleet.start()
     for worker in fleet.workers:
         if announce is not None:
             announce(worker)
     stop = asyncio.Event()
+    syncs: list[asyncio.Task[None]] = []
+    if adapters_file is not None:
+        from splitserve.engine.adapters import run_adapter_sync  # httpx and the sync: only when asked
+
+        syncs = [
+            asyncio.create_task(run_adapter_sync(worker.url, adapters_file, stop_event=stop), name=f"adapters-{i}")
+            for i, worker in enumerate(fleet.workers)
+        ]
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, stop.set)
@@ -594,6 +673,9 @@ async def serve(configs: Iterable[SimConfig], announce: Callable[[SimWorker], No
     finally:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.remove_signal_handler(signum)
+        for result in await asyncio.gather(*syncs, return_exceptions=True):
+            if isinstance(result, BaseException):
+                log.error("the adapter sync failed", exc_info=result)
     return await fleet.drain()
 
 

@@ -9,6 +9,8 @@ engine's KV generation and ``i`` (a BLAKE2 hash), rendered as one pseudo word wi
 lets a decode worker that received KV from a prefill worker answer exactly like an aggregated worker
 (greedy determinism); engines of another generation (other weights) answer other text, so a test
 can tell which generation answered. Generation "" (the default) leaves the prompt's digest as is.
+A LoRA adapter changes the weights too: a request for adapter ``NAME`` is seeded with the name as
+well (``adapter_seed``), so the base model and each adapter answer a prompt with other text.
 
 Chat prompt: ``<|role|>\\ncontent\\n`` for each message, then ``<|assistant|>\\n``.
 """
@@ -43,6 +45,13 @@ def generation_seed(digest: bytes, generation: str) -> bytes:
     return hashlib.blake2b(digest + b"\0" + generation.encode(), digest_size=16).digest()
 
 
+def adapter_seed(seed: bytes, lora_name: str | None) -> bytes:
+    """The seed of a request for LoRA adapter ``lora_name`` (``seed`` itself for the base model)."""
+    if not lora_name:
+        return seed
+    return hashlib.blake2b(seed + b"\0lora\0" + lora_name.encode(), digest_size=16).digest()
+
+
 def output_token(digest: bytes, position: int) -> int:
     """The greedy token at ``position`` (0-based) of the output for the prompt with ``digest``."""
     mixed = hashlib.blake2b(digest + position.to_bytes(8, "little"), digest_size=4).digest()
@@ -53,9 +62,10 @@ def output_text(token_id: int) -> str:
     return " " + OUTPUT_WORDS[token_id % len(OUTPUT_WORDS)]
 
 
-def generate_text(token_ids: Sequence[int], num_tokens: int, generation: str = "") -> str:
-    """The whole greedy output of ``num_tokens`` tokens; what a sim of ``generation`` answers for this prompt."""
-    digest = generation_seed(prompt_digest(token_ids), generation)
+def generate_text(token_ids: Sequence[int], num_tokens: int, generation: str = "", lora_name: str | None = None) -> str:
+    """The whole greedy output of ``num_tokens`` tokens; what a sim of ``generation`` answers for this
+    prompt, with LoRA adapter ``lora_name`` (None: the base model)."""
+    digest = adapter_seed(generation_seed(prompt_digest(token_ids), generation), lora_name)
     return "".join(output_text(output_token(digest, i)) for i in range(num_tokens))
 
 
@@ -85,22 +95,36 @@ HASH_MASK = (1 << 64) - 1
 """Block hashes are unsigned 64-bit, as vLLM publishes them in KV events (VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES)."""
 
 
-def block_hash(parent: int, token_ids: Sequence[int]) -> int:
-    """Hash of one full block given its parent's hash (0 for the first block of a sequence).
+def block_hash(parent: int, token_ids: Sequence[int], extra: int = 0) -> int:
+    """Hash of one full block given its parent's hash (0 for the first block of a sequence) and the
+    block's extra key (``lora_extra_key``; 0: none).
 
     Python's hash of a tuple of ints is not randomised between processes, so these are stable.
     """
+    if extra:
+        return hash((parent, tuple(token_ids), extra)) & HASH_MASK
     return hash((parent, tuple(token_ids))) & HASH_MASK
 
 
-def block_hashes(token_ids: Sequence[int], block_size: int) -> list[int]:
+def lora_extra_key(lora_name: str | None, lora_path: str | None = None) -> int:
+    """The extra key a LoRA request mixes into every one of its blocks, as vLLM's block hash mixes
+    ``("lora", name, path)``; 0 for the base model. An int (Python's str hash varies per process)."""
+    if not lora_name:
+        return 0
+    key = f"lora\0{lora_name}\0{lora_path or ''}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=8).digest(), "little") or 1
+
+
+def block_hashes(token_ids: Sequence[int], block_size: int, extra: int = 0) -> list[int]:
     """Chained hashes of the full blocks of ``token_ids`` (as vLLM's prefix cache keys blocks).
 
     Block ``i``'s hash covers every token before it too, so equal hashes mean equal prefixes.
+    ``extra`` (a LoRA request's ``lora_extra_key``) goes into every block, so one adapter's blocks
+    never match another's or the base model's.
     """
     hashes: list[int] = []
     parent = 0
     for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = block_hash(parent, token_ids[start : start + block_size])
+        parent = block_hash(parent, token_ids[start : start + block_size], extra)
         hashes.append(parent)
     return hashes
