@@ -111,10 +111,12 @@ class FakePrometheus:
         scalars: Mapping[str, float | None] | None = None,
         buckets: Mapping[float, float] | None = None,
         *,
+        vectors: Mapping[str, Mapping[frozenset[tuple[str, str]], float]] | None = None,
         down: bool = False,
     ) -> None:
         self.scalars = dict(scalars or {})
         self.buckets = dict(buckets or {})
+        self.vectors = dict(vectors or {})  # vector answers by the first metric name the PromQL contains
         self.down = down
         self.queries: list[str] = []
 
@@ -133,6 +135,9 @@ class FakePrometheus:
         self.queries.append(promql)
         if self.down:
             raise PrometheusUnavailable("down")
+        for key, answer in self.vectors.items():
+            if key in promql:
+                return dict(answer)
         if "_bucket" not in promql:
             return {}
         return {

@@ -12,6 +12,10 @@ autoscaler expects), so queries match `namespace="<ns>",deployment="<name>"`; pe
 (inter-token latency and batch size on decode, prefill time on prefill) add `role=~"..."` and fall
 back to all workers when no series carries a role (a Prometheus without that relabelling). Override
 the matchers with the CLI's --engine-selector / --router-selector.
+
+Per model name (the base model and each LoRA adapter; routers run with --lora only), the router's
+`splitserve_router_model_*` series are read as one `sum by (model)` vector each: vLLM counts its prefix
+cache for all adapters together, so the prefix question per adapter can only be answered from them.
 """
 
 from __future__ import annotations
@@ -107,6 +111,27 @@ class RouterReadings:
 
 
 @dataclass(frozen=True)
+class ModelReadings:
+    """One model name's traffic at the router (the base model or a LoRA adapter), summed over routers.
+
+    Each reading's query selects this model alone: it gives the value read from the `sum by (model)` vector.
+    """
+
+    model: str
+    requests_rate: Reading = NO_DATA  # finished requests / s, whatever the outcome
+    prompt_tokens_rate: Reading = NO_DATA  # prompt tokens / s routed
+    # Of those, tokens / s the chosen worker already held in its prefix cache (where the prompt is computed:
+    # prefill when split). Counted only under a policy that knows it (precise-prefix, prefix-aware).
+    prefix_hit_tokens_rate: Reading = NO_DATA
+
+    @property
+    def prefix_hit_share(self) -> float | None:
+        """Share of this model's prompt tokens found cached; None when its hits are not counted."""
+        hits, prompts = self.prefix_hit_tokens_rate.value, self.prompt_tokens_rate.value
+        return None if hits is None or not prompts else min(1.0, hits / prompts)
+
+
+@dataclass(frozen=True)
 class Telemetry:
     window: str = "5m"
     # Cached prompt tokens / s and prompt tokens looked up / s, where prompts are computed: the prefill pool
@@ -135,6 +160,8 @@ class Telemetry:
     prefill: PoolReadings = PoolReadings()
     decode: PoolReadings = PoolReadings()
     router: RouterReadings = RouterReadings()
+    # Per model name the router saw traffic for (not "": names no worker serves), most requests first.
+    models: tuple[ModelReadings, ...] = ()
     # Share of Prometheus' scrapes each role's targets answered in the window (`up`), lowest first. A target
     # too busy to answer its /metrics in time leaves gaps, and rates over a gappy window are partial.
     scrape_coverage: tuple[tuple[str, float], ...] = ()
@@ -236,6 +263,37 @@ def _mean(metric: str, selector: str, window: str) -> str:
 
 
 POOL_ROLES = {"prefill": 'role="prefill"', "decode": DECODE_ROLES}
+
+# The router's per-model counters, in the order of ModelReadings' fields.
+MODEL_COUNTERS = (
+    ("requests_rate", "splitserve_router_model_requests_total"),
+    ("prompt_tokens_rate", "splitserve_router_model_prompt_tokens_total"),
+    ("prefix_hit_tokens_rate", "splitserve_router_model_prefix_hit_tokens_total"),
+)
+
+
+def _label_value(value: str) -> str:
+    """A PromQL string literal's contents (model names are validated, but a name is a label value)."""
+    return value.replace("\\", "\\\\").replace('"', '\\"')
+
+
+async def read_models(source: QuerySource, selector: str, window: str) -> tuple[ModelReadings, ...]:
+    """Every model name's request, prompt-token and prefix-hit rates: one `sum by (model)` query per counter."""
+    values: dict[str, dict[str, float]] = {}
+    for name, metric in MODEL_COUNTERS:
+        answer = await source.query_vector(f"sum by (model) (rate({metric}{{{selector}}}[{window}]))")
+        for labels, value in answer.items():
+            model = dict(labels).get("model")
+            if model:  # "" counts names no worker serves: no model's traffic
+                values.setdefault(model, {})[name] = value
+
+    def reading(model: str, counter: int) -> Reading:
+        name, metric = MODEL_COUNTERS[counter]
+        one = _join(selector, f'model="{_label_value(model)}"')
+        return Reading(values[model].get(name), f"sum(rate({metric}{{{one}}}[{window}]))")
+
+    models = [ModelReadings(model, reading(model, 0), reading(model, 1), reading(model, 2)) for model in values]
+    return tuple(sorted(models, key=lambda m: (-(m.requests_rate.value or 0.0), m.model)))
 
 
 _DURATION = re.compile(r"(\d+)(ms|s|m|h|d|w|y)")
@@ -358,6 +416,7 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         queue_depth=await scalar(f"sum(avg_over_time(splitserve_router_queue_depth{{{r}}}[{w}]))"),
         decode_inflight=await scalar(f"sum(avg_over_time(splitserve_router_inflight_requests{{{decode_waits}}}[{w}]))"),
     )
+    models = await read_models(source, r, w)
     coverage_query = f"avg by (role) (avg_over_time(up{{{e}}}[{w}]))"
     coverage = await source.query_vector(coverage_query)
     scrape_coverage = sorted(
@@ -372,6 +431,7 @@ async def collect(source: QuerySource, scope: TelemetryScope) -> Telemetry:
         prefill=await pool("prefill"),
         decode=await pool("decode"),
         router=router,
+        models=models,
         itl_p99=await first_of(
             _quantile(0.99, "vllm:inter_token_latency_seconds", decode, w),
             _quantile(0.99, "vllm:inter_token_latency_seconds", e, w),
