@@ -37,6 +37,7 @@ from splitserve.diagnosis.findings import (
     without_arg,
 )
 from splitserve.diagnosis.model_facts import parameter_count_from_name
+from splitserve.diagnosis.per_model import per_model
 from splitserve.diagnosis.scale import TAIL_OVER_SLO, disaggregation, traffic_needs, whole_replicas
 from splitserve.diagnosis.sizing import (
     RUNTIME_OVERHEAD_GIB,
@@ -260,9 +261,19 @@ def _fit_options(
 
 
 def prompt_redundancy(inp: DiagnosisInput) -> QuestionResult:
-    spec, tel = inp.spec, inp.telemetry
+    """The pool-wide share of prompt tokens served from the prefix cache; per model name (base model and
+    LoRA adapters, per_model.py) as well when more than one carries traffic."""
+    spec = inp.spec
     policy_field = "prefill" if spec.mode is Mode.DISAGGREGATED else "decode"
-    policy = getattr(spec.router.routing_policy, policy_field)
+    policy: RoutingPolicy = getattr(spec.router.routing_policy, policy_field)
+    overall = _pool_wide_redundancy(inp, policy_field, policy)
+    if not spec.engine.prefix_caching:
+        return overall
+    return per_model(inp, overall, policy, policy_field)
+
+
+def _pool_wide_redundancy(inp: DiagnosisInput, policy_field: str, policy: RoutingPolicy) -> QuestionResult:
+    spec, tel = inp.spec, inp.telemetry
     evidence = [
         Evidence(f"prefixCaching {str(spec.engine.prefix_caching).lower()}", "spec (engine.prefixCaching)"),
         Evidence(f"router {policy_field} policy {policy}", f"spec (router.routingPolicy.{policy_field})"),
