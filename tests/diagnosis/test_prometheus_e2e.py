@@ -202,6 +202,57 @@ async def test_at_reads_the_window_that_ended_then(
     assert "scrapes missed: router answered 0% of its scrapes" in then.inp.telemetry_note
 
 
+def lora_router_metrics(models: dict[str, tuple[float, float, float]]) -> Callable[[float], str]:
+    """A router run with --lora: per model name, requests, prompt tokens and prefix-hit tokens per second."""
+
+    def render(t: float) -> str:
+        counters = (("requests", 0), ("prompt_tokens", 1), ("prefix_hit_tokens", 2))
+        lines = []
+        for name, index in counters:
+            lines.append(f"# TYPE splitserve_router_model_{name} counter")
+            for model, rates in models.items():
+                outcome = ',outcome="success"' if name == "requests" else ""
+                lines.append(f'splitserve_router_model_{name}_total{{model="{model}"{outcome}}} {rates[index] * t}')
+        return "\n".join([*lines, ""])
+
+    return render
+
+
+async def test_prefix_share_is_read_per_adapter(
+    prometheus: PrometheusServer, exporters: list[StaticExporter], make_spec: SpecFactory
+) -> None:
+    """The router's per-model series, scraped: each model name's share, and the adapter whose prompts miss."""
+    targets = [
+        (worker_metrics, {**CHAT, "role": "decode"}),
+        # The base model finds 65% of its prompt tokens cached, adapter b 5%; "" counts names no worker serves.
+        (
+            lora_router_metrics({"chat-model": (8, 800, 520), "b": (6, 400, 20), "": (0.5, 50, 0)}),
+            {**CHAT, "role": "router"},
+        ),
+        # Another deployment's router, with an adapter of its own: not counted.
+        (lora_router_metrics({"chat-model": (8, 800, 0), "x": (5, 500, 0)}), {**OTHER, "role": "router"}),
+    ]
+    await scrape(prometheus, exporters, targets)
+    await prometheus.wait_for(
+        'sum(rate(splitserve_router_model_prompt_tokens_total{deployment="chat",model="b"}[3s]))',
+        lambda v: (v or 0) > 360,
+    )
+
+    spec = make_spec({"model": {"name": "chat-model", "parameterCount": 8_000_000_000}})
+    report = await run_diagnosis(spec, name="chat", namespace="ml", prometheus_url=prometheus.url, window="3s")
+    telemetry = report.inp.telemetry
+    assert telemetry is not None, report.inp.telemetry_note
+    explain = report.text()
+    shares = {model.model: model.prefix_hit_share for model in telemetry.models}
+    assert list(shares) == ["chat-model", "b"], explain
+    assert shares["chat-model"] == pytest.approx(0.65, abs=0.05) and shares["b"] == pytest.approx(0.05, abs=0.02)
+    redundancy = {result.key: result for result in report.results}["prompt-redundancy"]
+    far = r"adapter b: [3-7]% of its prompt tokens found cached, the other models 6\d%"
+    assert re.search(far, redundancy.verdict), explain
+    # The decode worker's KV cache is 97% full: b's blocks serve b alone, evicted between its requests.
+    assert redundancy.status == "recommend" and "make KV room (question 4)" in redundancy.recommendation, explain
+
+
 def calm_worker_metrics(t: float) -> str:
     """A decode engine with free slots; its inter-token gaps all 25-75 ms, 90% of them over 50 ms (vLLM's buckets)."""
     labels = 'model_name="chat-model"'
