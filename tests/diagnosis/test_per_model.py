@@ -20,6 +20,7 @@ def model(name: str, requests: float, prompts: float, hits: float | None) -> Mod
         Reading(requests, f"q_requests_{name}"),
         Reading(prompts, f"q_prompts_{name}"),
         Reading(hits, f"q_hits_{name}"),
+        Reading(None if hits is None else prompts, f"q_lookups_{name}"),
     )
 
 
@@ -61,9 +62,10 @@ def test_each_model_carrying_traffic_gets_its_evidence_line(make_spec: SpecFacto
     lines = {e.text.split(":")[0]: e for e in result.evidence if e.text.startswith(("base model", "adapter"))}
     assert list(lines) == ["base model m", "adapter a"]
     assert lines["adapter a"].text == (
-        "adapter a: 2 requests/s, 55% of its 200 prompt tokens/s held by the worker the router chose (its prefix table)"
+        "adapter a: 2 requests/s, 55% of its 200 looked-up prompt tokens/s held by the worker the router chose "
+        "(its prefix table)"
     )
-    assert lines["adapter a"].source == "prometheus: q_requests_a; q_hits_a / q_prompts_a"
+    assert lines["adapter a"].source == "prometheus: q_requests_a; q_hits_a / q_lookups_a"
 
 
 def test_an_adapter_whose_prompts_miss_the_cache_is_named_with_advice(
@@ -168,6 +170,7 @@ async def test_collect_reads_each_model_name(fake_prometheus: Callable[..., Fake
             "model_requests_total": {**by_model(m=8.0, lora_b=1.0), frozenset({("model", "")}): 3.0},
             "model_prompt_tokens_total": by_model(m=800.0, lora_b=400.0),
             "model_prefix_hit_tokens_total": by_model(m=520.0, lora_b=20.0),
+            "model_prefix_lookup_tokens_total": by_model(m=800.0, lora_b=400.0),
         }
     )
     telemetry = await collect(prom, TelemetryScope('namespace="ml"', 'namespace="ml",deployment="chat"', "5m"))

@@ -206,7 +206,7 @@ def lora_router_metrics(models: dict[str, tuple[float, float, float]]) -> Callab
     """A router run with --lora: per model name, requests, prompt tokens and prefix-hit tokens per second."""
 
     def render(t: float) -> str:
-        counters = (("requests", 0), ("prompt_tokens", 1), ("prefix_hit_tokens", 2))
+        counters = (("requests", 0), ("prompt_tokens", 1), ("prefix_hit_tokens", 2), ("prefix_lookup_tokens", 1))
         lines = []
         for name, index in counters:
             lines.append(f"# TYPE splitserve_router_model_{name} counter")

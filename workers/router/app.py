@@ -413,8 +413,11 @@ class Router:
         label = ctx.model_label if ctx is not None and ctx.model_label is not None else ""
         self.metrics.model_requests.labels(label, outcome.value).inc()
         hits = ctx.prefix_hit_tokens if ctx is not None else None
-        if hits is not None:
-            self.metrics.model_prefix_hit_tokens.labels(label).inc(min(hits, ctx.routing.prompt_tokens) if ctx else 0)
+        if ctx is not None and hits is not None:
+            # Hits and the prompt tokens they were looked up for, together: a request routed by a policy
+            # that knows no prefixes (or a fallback) is no miss.
+            self.metrics.model_prefix_lookup_tokens.labels(label).inc(ctx.routing.prompt_tokens)
+            self.metrics.model_prefix_hit_tokens.labels(label).inc(min(hits, ctx.routing.prompt_tokens))
 
 
 def routes(router: Router) -> dict[str, dict[str, Handler]]:

@@ -183,6 +183,12 @@ class RouterMetrics:
         self.model_prompt_tokens = FastCounter(
             p + "model_prompt_tokens", "Prompt tokens routed, by model name", ["model"]
         )
+        self.model_prefix_lookup_tokens = FastCounter(
+            p + "model_prefix_lookup_tokens",
+            "Prompt tokens of the requests whose prefix-cache hits were counted (the denominator of the hit share), "
+            "by model name",
+            ["model"],
+        )
         self.model_prefix_hit_tokens = FastCounter(
             p + "model_prefix_hit_tokens",
             "Prompt tokens the chosen worker already held in its prefix cache (precise-prefix: from its KV events; "

@@ -58,12 +58,13 @@ def model_evidence(model: ModelReadings, base: str, policy: RoutingPolicy) -> Ev
             f"prefix hits not counted (the router counts them under prefix-aware and precise-prefix)"
         )
         return Evidence(text, f"prometheus: {requests.query}; {prompts.query}")
+    looked_up = model.prefix_lookup_tokens_rate
     view = "its KV-event index" if policy is RoutingPolicy.PRECISE_PREFIX else "its prefix table"
     text = (
-        f"{label}: {fmt_value(requests.value)} requests/s, {pct(share)} of its {fmt_value(prompts.value)} "
-        f"prompt tokens/s held by the worker the router chose ({view})"
+        f"{label}: {fmt_value(requests.value)} requests/s, {pct(share)} of its {fmt_value(looked_up.value)} "
+        f"looked-up prompt tokens/s held by the worker the router chose ({view})"
     )
-    return Evidence(text, f"prometheus: {requests.query}; {hits.query} / {prompts.query}")
+    return Evidence(text, f"prometheus: {requests.query}; {hits.query} / {looked_up.query}")
 
 
 def far_shares(models: Sequence[ModelReadings], window: str, base: str) -> list[FarShare]:
@@ -81,10 +82,10 @@ def far_shares(models: Sequence[ModelReadings], window: str, base: str) -> list[
     for model in counted:
         share = model.prefix_hit_share
         others = [other for other in counted if other is not model]
-        prompts = sum(other.prompt_tokens_rate.value or 0.0 for other in others)
-        if model.model == base or share is None or not prompts:
+        looked_up = sum(other.prefix_lookup_tokens_rate.value or 0.0 for other in others)
+        if model.model == base or share is None or not looked_up:
             continue
-        rest = sum(other.prefix_hit_tokens_rate.value or 0.0 for other in others) / prompts
+        rest = sum(other.prefix_hit_tokens_rate.value or 0.0 for other in others) / looked_up
         low = share * FAR_SHARE_RATIO <= rest and rest - share >= FAR_SHARE_POINTS
         high = share >= rest * FAR_SHARE_RATIO and share - rest >= FAR_SHARE_POINTS
         if low or high:

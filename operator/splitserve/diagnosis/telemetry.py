@@ -120,15 +120,18 @@ class ModelReadings:
     model: str
     requests_rate: Reading = NO_DATA  # finished requests / s, whatever the outcome
     prompt_tokens_rate: Reading = NO_DATA  # prompt tokens / s routed
-    # Of those, tokens / s the chosen worker already held in its prefix cache (where the prompt is computed:
-    # prefill when split). Counted only under a policy that knows it (precise-prefix, prefix-aware).
+    # Tokens / s the chosen worker already held in its prefix cache (where the prompt is computed: prefill
+    # when split). Counted only under a policy that knows it (precise-prefix, prefix-aware).
     prefix_hit_tokens_rate: Reading = NO_DATA
+    # Prompt tokens / s of the requests whose hits were counted: the share's denominator (a request routed
+    # by a policy that knows no prefixes, or by a fallback, is no miss).
+    prefix_lookup_tokens_rate: Reading = NO_DATA
 
     @property
     def prefix_hit_share(self) -> float | None:
-        """Share of this model's prompt tokens found cached; None when its hits are not counted."""
-        hits, prompts = self.prefix_hit_tokens_rate.value, self.prompt_tokens_rate.value
-        return None if hits is None or not prompts else min(1.0, hits / prompts)
+        """Share of this model's looked-up prompt tokens found cached; None when its hits are not counted."""
+        hits, looked_up = self.prefix_hit_tokens_rate.value, self.prefix_lookup_tokens_rate.value
+        return None if hits is None or not looked_up else min(1.0, hits / looked_up)
 
 
 @dataclass(frozen=True)
@@ -269,6 +272,7 @@ MODEL_COUNTERS = (
     ("requests_rate", "splitserve_router_model_requests_total"),
     ("prompt_tokens_rate", "splitserve_router_model_prompt_tokens_total"),
     ("prefix_hit_tokens_rate", "splitserve_router_model_prefix_hit_tokens_total"),
+    ("prefix_lookup_tokens_rate", "splitserve_router_model_prefix_lookup_tokens_total"),
 )
 
 
@@ -292,7 +296,7 @@ async def read_models(source: QuerySource, selector: str, window: str) -> tuple[
         one = _join(selector, f'model="{_label_value(model)}"')
         return Reading(values[model].get(name), f"sum(rate({metric}{{{one}}}[{window}]))")
 
-    models = [ModelReadings(model, reading(model, 0), reading(model, 1), reading(model, 2)) for model in values]
+    models = [ModelReadings(model, *(reading(model, i) for i in range(len(MODEL_COUNTERS)))) for model in values]
     return tuple(sorted(models, key=lambda m: (-(m.requests_rate.value or 0.0), m.model)))
 
 
