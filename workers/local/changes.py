@@ -1,6 +1,9 @@
 """What a new deployment file changes for a running local stack: pure decisions, nothing started.
 
-A running stack can take a new file in one of three ways:
+A running stack can take a new file in one of four ways:
+- spec.adapters (LoRA): the adapters file is rewritten and the running workers load and unload at run
+  time (adapters.py); neither a restart nor a new KV generation, and it combines with the others. Only
+  turning LoRA on in a stack whose workers and router run without it needs a restart of `up`;
 - a new KV generation (api/generation.py: model source and revision, dtype, block size, ...): a
   make-before-break rollout, new workers beside the old ones (rollout.py);
 - the same generation: replica counts change in place (workers added or drained and stopped);
@@ -58,6 +61,7 @@ NO_LOCAL_EFFECT = (
     "rollout.",
 )
 REPLICAS = ("prefill.replicas", "decode.replicas")
+ADAPTERS = "adapters"
 REFUSED = ("mode", "model.name")
 # Leaves that api/generation.py hashes (extraArgs only for their KV-shaping flags, handled apart).
 GENERATION_PREFIXES = (
@@ -121,6 +125,8 @@ class Change:
     worker_settings: tuple[str, ...] = ()
     router_settings: tuple[str, ...] = ()
     no_local_effect: tuple[str, ...] = ()
+    # spec.adapters changed and the running workers take it at run time: "adapters: a, b -> a, c".
+    adapters: str | None = None
 
     @property
     def new_generation(self) -> bool:
@@ -134,7 +140,7 @@ class Change:
 
     @property
     def applies_nothing(self) -> bool:
-        return not self.new_generation and not self.replicas
+        return not self.new_generation and not self.replicas and self.adapters is None
 
 
 def describe_change(
@@ -143,9 +149,11 @@ def describe_change(
     new: LocalDeployment,
     generation_before: tuple[str, dict[str, Any]],
     generation_after: tuple[str, dict[str, Any]],
+    adapters_from: LocalDeployment | None = None,
 ) -> Change:
     """What `new` changes. `workers_from`: the deployment the running workers were started from (replica
-    counts as they run); `router_from`: the one the router was started from (it never restarts)."""
+    counts as they run); `router_from`: the one the router was started from (it never restarts);
+    `adapters_from`: the one whose adapters the adapters file lists now (default `workers_from`)."""
     refused = []
     if new.name != router_from.name:
         refused.append(f"metadata.name is {new.name!r}, the stack runs {router_from.name!r}")
@@ -159,7 +167,7 @@ def describe_change(
     worker_settings, router_settings, no_effect = [], [], []
     for path, value in new_leaves.items():
         before = router_leaves.get(path) if path.startswith("router.") else worker_leaves.get(path)
-        if before == value or _matches(path, REFUSED + REPLICAS + GENERATION_PREFIXES):
+        if before == value or path == ADAPTERS or _matches(path, REFUSED + REPLICAS + GENERATION_PREFIXES):
             continue
         if path in EXTRA_ARGS and _non_kv_args(list(before or [])) == _non_kv_args(list(value or [])):
             continue  # only KV-shaping flags changed: that is the generation's business
@@ -170,6 +178,16 @@ def describe_change(
             router_settings.append(line)
         else:
             worker_settings.append(line)
+    adapters = None
+    listed = _spec_leaves(adapters_from).get(ADAPTERS) if adapters_from is not None else worker_leaves.get(ADAPTERS)
+    asked_adapters = new_leaves.get(ADAPTERS) or []
+    if (listed or []) != asked_adapters:
+        line = f"adapters: {_adapter_names(listed or [], asked_adapters)}"
+        if worker_leaves.get(ADAPTERS) and router_leaves.get(ADAPTERS):
+            adapters = line  # the workers and the router run with LoRA on: loaded at run time
+        else:
+            # Started without LoRA (no --enable-lora, no --lora): only new processes could take it.
+            router_settings.append(f"{line} (LoRA on needs workers and a router started with it)")
     running, asked = role_counts(workers_from), role_counts(new)
     replicas = {role: (running.get(role, 0), count) for role, count in asked.items() if running.get(role, 0) != count}
     return Change(
@@ -181,7 +199,20 @@ def describe_change(
         worker_settings=tuple(worker_settings),
         router_settings=tuple(router_settings),
         no_local_effect=tuple(no_effect),
+        adapters=adapters,
     )
+
+
+def _adapter_names(before: list[Any], after: list[Any]) -> str:
+    """`a, b -> a, c` (`none` for no adapter); `a (source changed)` when only sources differ."""
+
+    def names(adapters: list[Any]) -> list[str]:
+        return [str(adapter.get("name")) for adapter in adapters if isinstance(adapter, dict)]
+
+    if names(before) == names(after):
+        moved = [name for name, old, new in zip(names(before), before, after, strict=True) if old != new]
+        return ", ".join(f"{name} (source changed)" for name in moved)
+    return f"{', '.join(names(before)) or 'none'} -> {', '.join(names(after)) or 'none'}"
 
 
 def with_replicas(running: LocalDeployment, counts: Mapping[str, int]) -> LocalDeployment:

@@ -8,10 +8,20 @@ from typing import Any
 
 from splitserve.api.base import KIND
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
+from splitserve.engine.tiny_model import LORA_NAME
 from splitserve.validation import load_documents, validate_text
 
 # The model source `up` replaces by the tiny model it builds (see deploy/local/*.yaml).
 TINY_MODEL_URI = "splitserve://tiny-model"
+# An adapter source `up` replaces by a tiny LoRA adapter of the tiny model: TINY_LORA_URI + NAME.
+TINY_LORA_URI = "splitserve://tiny-lora/"
+
+
+def tiny_lora_name(uri: str | None) -> str | None:
+    """NAME of an adapter source `splitserve://tiny-lora/NAME`; None for any other source."""
+    if uri is None or not uri.startswith(TINY_LORA_URI):
+        return None
+    return uri.removeprefix(TINY_LORA_URI)
 
 
 class DeploymentFileError(Exception):
@@ -72,6 +82,23 @@ def local_run_problems(deployment: LocalDeployment) -> list[str]:
             "spec.model.source.pvc needs a cluster; locally use source.uri (a path, or "
             f"{TINY_MODEL_URI} for the tiny test model)"
         )
+    for index, adapter in enumerate(deployment.spec.adapters):
+        where = f"spec.adapters[{index}] ({adapter.name})"
+        if adapter.source.pvc is not None:
+            problems.append(
+                f"{where}: source.pvc needs a cluster; locally use source.uri (a folder, or "
+                f"{TINY_LORA_URI}NAME for a tiny adapter of the tiny model)"
+            )
+        name = tiny_lora_name(adapter.source.uri)
+        if name is None:
+            continue
+        if not LORA_NAME.match(name):
+            problems.append(f"{where}: {adapter.source.uri}: NAME must match {LORA_NAME.pattern}")
+        if deployment.spec.model.source.uri != TINY_MODEL_URI:
+            problems.append(
+                f"{where}: {TINY_LORA_URI}NAME is an adapter of the tiny model: model.source.uri must "
+                f"be {TINY_MODEL_URI}"
+            )
     return problems
 
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from splitserve.api.generation import generation_inputs, kv_generation
 from splitserve.api.spec import DEFAULT_WORKER_IMAGE, Connector, InferenceDeploymentSpec, ModelSource, Role
-from splitserve.api.topology import publishes_kv_events
+from splitserve.api.topology import publishes_kv_events, serves_adapters
 from splitserve.builders.router import router_args
-from splitserve.builders.vllm_args import kv_events_args
+from splitserve.builders.vllm_args import kv_events_args, lora_args
 from splitserve.local.deployment import TINY_MODEL_URI, LocalDeployment
 from splitserve.local.ports import LOOPBACK
 
@@ -93,6 +93,8 @@ class PlanInputs:
     endpoints_file: str = "endpoints.json"
     # The KV generation of the workers planned (local_generation); the simulators refuse KV of another.
     generation: str = ""
+    # The adapters file every worker follows when the deployment declares adapters (adapters.py).
+    adapters_file: str | None = None
 
 
 # Process names: the role's prefix and a number that grows over the stack's life, so the workers of a
@@ -126,6 +128,8 @@ def _sim_worker(name: str, role: str, port: int, deployment: LocalDeployment, in
     if publishes_kv_events(deployment.spec, role):
         # The simulator takes vLLM's own flag; each worker its own port, as all share this host.
         argv += kv_events_args(deployment.spec, Role(role), port=inputs.allocate_port())
+    # vLLM's LoRA flags, as a pod's engine gets them, and the adapter sync `splitserve worker` runs.
+    argv += lora_args(deployment.spec) + _adapters_file_args(deployment, inputs)
     return ProcessSpec(
         name=name, argv=tuple(argv), port=port, ready_path="/health", role=role, generation=inputs.generation
     )
@@ -148,9 +152,19 @@ def _vllm_worker(name: str, role: str, port: int, deployment: LocalDeployment, i
         # `splitserve worker` builds --kv-events-config (and the hash algorithm) from the spec, as in a
         # pod; only the port differs: engine.kvEventsPort would be the same for every local worker.
         argv += ["--kv-events-port", str(inputs.allocate_port())]
+    # `splitserve worker` takes vLLM's LoRA flags from the spec; the adapters come from this file.
+    argv += _adapters_file_args(deployment, inputs)
     return ProcessSpec(
         name=name, argv=tuple(argv), port=port, ready_path="/health", env=env, role=role, generation=inputs.generation
     )
+
+
+def _adapters_file_args(deployment: LocalDeployment, inputs: PlanInputs) -> list[str]:
+    if not serves_adapters(deployment.spec):
+        return []
+    if inputs.adapters_file is None:
+        raise ValueError("a deployment with adapters needs PlanInputs.adapters_file")
+    return ["--adapters-file", inputs.adapters_file]
 
 
 def router_discovery_args(deployment: LocalDeployment, endpoints_file: str) -> list[str]:

@@ -20,7 +20,7 @@ ready; removed ones (the newest of their role) drain as in steps 3-5.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +31,7 @@ from splitserve.local.deployment import LocalDeployment
 from splitserve.local.endpoints import EndpointsFile, RouterWorkers, all_healthy, drained, inflight_on, router_workers
 from splitserve.local.plan import PlanInputs, ProcessSpec, plan_worker, role_counts
 from splitserve.local.supervisor import Progress, RunningProcess, StartupError, StopRequested, Supervisor
+from splitserve.router.adapters import adapter_names, parse_models
 
 POLL_SECONDS = 0.1
 # How long the router may take to list workers just written to the endpoints file (it polls the file
@@ -85,6 +86,8 @@ class Fleet:
         # Set by start(): what runs now.
         self.deployment: LocalDeployment | None = None  # what the workers were started from, counts as running
         self.router_deployment: LocalDeployment | None = None  # what the router was started from
+        # Whose spec.adapters the adapters file lists (it changes at run time, without new workers).
+        self.adapters_deployment: LocalDeployment | None = None
         self.generation: Generation | None = None
 
     def close(self) -> None:
@@ -94,7 +97,7 @@ class Fleet:
 
     def start(self, deployment: LocalDeployment, generation: Generation) -> list[RunningProcess]:
         """The first generation's workers, ready and in the endpoints file (the router starts after)."""
-        self.deployment = self.router_deployment = deployment
+        self.deployment = self.router_deployment = self.adapters_deployment = deployment
         self.generation = generation
         workers = self._start_workers(deployment, generation, role_counts(deployment))
         self.endpoints.add(worker.spec for worker in workers)
@@ -154,7 +157,9 @@ class Fleet:
     def describe(self, new: LocalDeployment, new_generation: tuple[str, dict[str, Any]]) -> Change:
         assert self.deployment is not None and self.router_deployment is not None and self.generation is not None
         current = (self.generation.id, self.generation.inputs)
-        return describe_change(self.deployment, self.router_deployment, new, current, new_generation)
+        return describe_change(
+            self.deployment, self.router_deployment, new, current, new_generation, self.adapters_deployment
+        )
 
     def roll_out(self, new: LocalDeployment, generation: Generation, change: Change) -> Outcome:
         """Make-before-break from the current generation to `generation` (steps in the module doc)."""
@@ -219,6 +224,34 @@ class Fleet:
         message = f"replicas applied in {time.monotonic() - started:.1f} s: {what}"
         self.progress.say(message)
         return Outcome(True, message)
+
+    def wait_adapters(self, names: Collection[str], seconds: float) -> str | None:
+        """Until every worker's /v1/models lists exactly the adapters `names`, then the router's (it learns
+        them from the workers); None once they do, else which process lists what when time ran out."""
+        wanted = frozenset(names)
+        processes = {worker.spec.base_url: worker.name for worker in self.workers} | {self.router_url: "router"}
+        deadline = time.monotonic() + seconds
+        while True:
+            self._check()
+            # The router last: it lists what the workers list, a poll later.
+            behind = next(
+                ((url, listed) for url in processes if (listed := self._adapters_of(url)) != wanted),
+                None,
+            )
+            if behind is None:
+                return None
+            if time.monotonic() >= deadline:
+                url, listed = behind
+                what = "nothing (not answering)" if listed is None else ", ".join(sorted(listed)) or "no adapter"
+                return f"{processes[url]} lists {what}, not {', '.join(sorted(wanted)) or 'no adapter'}"
+            time.sleep(POLL_SECONDS)
+
+    def _adapters_of(self, base_url: str) -> frozenset[str] | None:
+        try:
+            response = self._http.get(f"{base_url}/v1/models")
+            return adapter_names(parse_models(response.content)) if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
 
     def _join(self, workers: Sequence[RunningProcess]) -> bool:
         """Add ready workers to the endpoints file and wait until the router routes to them."""

@@ -23,6 +23,15 @@ from typing import Any
 
 import yaml
 
+from splitserve.api.topology import serves_adapters
+from splitserve.engine.tiny_model import lora_dir
+from splitserve.local.adapters import (
+    ADAPTERS_FILE,
+    adapters_document,
+    tiny_lora_names,
+    write_adapters_file,
+    write_sim_lora,
+)
 from splitserve.local.control import ApplyRequest, ControlChannel, FileWatch, StackInfo
 from splitserve.local.deployment import DeploymentFileError, LocalDeployment, parse_deployment
 from splitserve.local.endpoints import EndpointsFile
@@ -57,6 +66,9 @@ from splitserve.local.supervisor import (
 
 # A vLLM-CPU worker holds about 2.3 GB; beyond this many the machine likely runs out of memory.
 VLLM_WORKERS_WARNING = 4
+# How long the workers (their adapter sync reads the file every 2 s) and then the router (it asks the
+# workers every 2 s) may take to serve a new adapter list.
+ADAPTERS_SECONDS = 60.0
 
 
 @dataclass(frozen=True)
@@ -184,6 +196,7 @@ class LocalStack:
             router_drain_seconds=max(1.0, self.options.stop_grace / 2),
             endpoints_file=str(self.endpoints.path),
             generation=generation[0],
+            adapters_file=str(self.adapters_path),
         )
         if self.options.engine is Engine.VLLM:
             model_path = self._model_path(deployment)
@@ -208,14 +221,9 @@ class LocalStack:
         # Build next to the target and rename, so an interrupted build never looks finished.
         partial = model_dir.with_name(f"{model_dir.name}.partial-{os.getpid()}")
         model_dir.parent.mkdir(parents=True, exist_ok=True)
-        spec = ProcessSpec(
-            name="tiny-model", argv=(*splitserve_command(), "tiny-model", str(partial)), port=0, ready_path=""
-        )
-        process = self.supervisor.start(spec, one_shot=True)
         try:
-            self._wait_exit(process, timeout=600.0)
+            self._build(str(partial))
         except (StartupError, StopRequested):
-            self.supervisor.stop([process])  # the builder must stop writing before its folder goes
             shutil.rmtree(partial, ignore_errors=True)
             raise
         try:
@@ -226,6 +234,51 @@ class LocalStack:
                 raise StartupError(f"cannot move the tiny model into {model_dir}: {error.strerror or error}") from error
         self.progress.say(f"tiny model built in {model_dir}")
         return str(model_dir)
+
+    def _build(self, *args: str) -> None:
+        """Run `splitserve tiny-model ARGS` to its end; StartupError with its log when it fails."""
+        spec = ProcessSpec(name="tiny-model", argv=(*splitserve_command(), "tiny-model", *args), port=0, ready_path="")
+        process = self.supervisor.start(spec, one_shot=True)
+        try:
+            self._wait_exit(process, timeout=600.0)
+        except (StartupError, StopRequested):
+            self.supervisor.stop([process])  # the builder must stop writing before its folder goes
+            raise
+
+    # ------------------------------------------------------------------ adapters
+
+    @property
+    def adapters_path(self) -> Path:
+        """The adapters file every worker follows (adapters.py): one for the stack's life."""
+        return self.options.run_dir / ADAPTERS_FILE
+
+    def _tiny_loras(self, deployment: LocalDeployment) -> dict[str, str]:
+        """NAME -> folder of each tiny adapter the deployment names: for vLLM the peft adapters beside the
+        tiny model (built the first time), for the simulators their adapter_config.json alone."""
+        names = tiny_lora_names(deployment)
+        if self.options.engine is Engine.SIM:
+            return {name: write_sim_lora(self.options.run_dir, name) for name in names}
+        model_dir = self.options.model_dir
+        missing = [name for name in names if not (lora_dir(model_dir, name) / "adapter_config.json").exists()]
+        if missing:
+            self._build(str(model_dir), "--loras-only", *(f"--lora={name}" for name in missing))
+            self.progress.say(f"tiny LoRA adapters built in {model_dir / 'loras'}: {', '.join(missing)}")
+        return {name: str(lora_dir(model_dir, name)) for name in names}
+
+    def _write_adapters(self, deployment: LocalDeployment) -> None:
+        """Write the deployment's adapters to the file the workers follow (their tiny adapters in place)."""
+        document = adapters_document(deployment, self._tiny_loras(deployment))
+        if write_adapters_file(self.adapters_path, document):
+            names = [entry["name"] for entry in document["adapters"]]
+            self.progress.say(f"adapters file {self.adapters_path}: {', '.join(names) or 'no adapter'}")
+
+    def _wait_adapters(self, deployment: LocalDeployment) -> str | None:
+        """Until every worker and the router serve the deployment's adapters; what is behind, else None."""
+        names = [adapter.name for adapter in deployment.spec.adapters]
+        problem = self.fleet.wait_adapters(names, ADAPTERS_SECONDS)
+        if problem is None:
+            self.progress.say(f"adapters served by every worker and the router: {', '.join(names) or 'none'}")
+        return problem
 
     def _wait_exit(self, process: RunningProcess, timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -246,10 +299,15 @@ class LocalStack:
     def _start(self) -> None:
         generation = self._generation(self.deployment, self._generation_id(self.deployment))
         self.progress.say(f"KV generation {generation.id}")
+        lora = serves_adapters(self.deployment.spec)
+        if lora:
+            self._write_adapters(self.deployment)
         workers = self.fleet.start(self.deployment, generation)
         router = self.supervisor.start(plan_router(self.deployment, generation.plan_inputs))
         self.supervisor.wait_ready([router], self.options.startup_timeout)
         self.fleet.router = router
+        if lora and (problem := self._wait_adapters(self.deployment)) is not None:
+            self.progress.say(f"warning: adapters not served after {ADAPTERS_SECONDS:.0f} s: {problem} (see its log)")
         if self.gateway is not None:
             specs = [worker.spec for worker in workers]
             self._others += self.gateway.start(
@@ -260,6 +318,9 @@ class LocalStack:
         count = len(workers) + 1 + len(self._others)
         self.progress.say(f"all {count} processes ready ({memory_mb:.0f} MiB resident)")
         print(f"OpenAI endpoint: {self.endpoint}   (model {self.model_name!r})", flush=True)
+        if lora:
+            names = ", ".join(repr(adapter.name) for adapter in self.deployment.spec.adapters)
+            print(f"  LoRA adapters (model names): {names}", flush=True)
         if self.gateway is not None:
             print(
                 f"Gateway endpoint: {self.gateway.endpoint}   (Envoy, the endpoint picker picks each request's "
@@ -311,13 +372,17 @@ class LocalStack:
             self.progress.say(f"prometheus: scraping {len(specs)} processes")
 
     def _smoke(self) -> int:
-        self.progress.say("smoke test: one completion through the router")
-        try:
-            text = send_smoke_request(self.endpoint, self.model_name)
-        except RuntimeError as error:
-            self._fail(f"smoke request failed: {error}", log_tail(self.options.run_dir / "router.log"))
-            return 1
-        print(f"answer: {text!r}", flush=True)
+        # The base model, and the first adapter when there are any: a LoRA request takes both legs too.
+        models = [self.model_name, *(adapter.name for adapter in self.deployment.spec.adapters[:1])]
+        self.progress.say(f"smoke test: one completion through the router for {' and '.join(map(repr, models))}")
+        for model in models:
+            try:
+                text = send_smoke_request(self.endpoint, model)
+            except RuntimeError as error:
+                tail = log_tail(self.options.run_dir / "router.log")
+                self._fail(f"smoke request for {model!r} failed: {error}", tail)
+                return 1
+            print(f"answer: {text!r}" if model == self.model_name else f"answer ({model}): {text!r}", flush=True)
         return 0
 
     def _follow_requests(self) -> RequestLogFollower | None:
@@ -421,6 +486,14 @@ class LocalStack:
             for reason in refused:
                 self.progress.say(f"  {reason}")
             return Outcome(False, f"{source} not applied: " + "; ".join(refused))
+        if change.adapters is not None or (change.new_generation and serves_adapters(new.spec)):
+            # Before any new worker starts, so that it loads them from its start; the running ones load
+            # and unload at run time.
+            try:
+                self._write_adapters(new)
+            except StartupError as error:
+                return Outcome(False, f"{source} not applied: {error}")
+            self.fleet.adapters_deployment = new
         if change.new_generation:
             try:
                 generation = self._generation(new, generation_id)
@@ -429,15 +502,34 @@ class LocalStack:
             outcome = self.fleet.roll_out(new, generation, change)
         elif change.replicas:
             outcome = self.fleet.scale(new, change)
-        else:
+        elif change.adapters is None:
             outcome = Outcome(True, f"{source}: nothing to roll out (generation {current.id}, same replica counts)")
             self.progress.say(outcome.message)
+        else:
+            outcome = Outcome(True, "")
+        if outcome.ok and change.adapters is not None:
+            outcome = self._adapters_outcome(new, change.adapters, outcome)
         if outcome.ok:
             for line in change.needs_restart:
                 self.progress.say(f"not applied (restart `splitserve up` for it): {line}")
             for line in change.no_local_effect:
                 self.progress.say(f"no effect on local processes: {line}")
         return outcome
+
+    def _adapters_outcome(self, new: LocalDeployment, what: str, outcome: Outcome) -> Outcome:
+        """An adapter change, once the workers and the router serve it (or not, after ADAPTERS_SECONDS)."""
+        started = time.monotonic()
+        self.progress.say(f"{what}: loading and unloading at run time (no worker restarted, same KV generation)")
+        problem = self._wait_adapters(new)
+        if problem is not None:
+            failed = Outcome(False, f"{what}: not served after {ADAPTERS_SECONDS:.0f} s: {problem} (see its log)")
+            self.progress.say(failed.message)
+            return failed
+        if outcome.message:
+            return outcome
+        message = f"{what}: served in {time.monotonic() - started:.1f} s"
+        self.progress.say(message)
+        return Outcome(True, message)
 
     def _fail(self, message: str, tail: str) -> None:
         print(f"error: {message}", file=sys.stderr, flush=True)
