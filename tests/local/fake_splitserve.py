@@ -1,4 +1,5 @@
-"""Stands in for `python -m splitserve` in tests: only `tiny-model DIR`, which it fakes quickly.
+"""Stands in for `python -m splitserve` in tests: only `tiny-model DIR [--loras-only] [--lora=NAME ...]`,
+which it fakes quickly.
 
 Each call appends a line to $FAKE_SPLITSERVE_CALLS; FAKE_TINY_MODEL_FAIL=1 makes the build fail.
 """
@@ -20,8 +21,13 @@ def main() -> int:
         print("tiny-model: tokenizer training failed: no more bytes", flush=True)
         return 1
     target = Path(sys.argv[2])
-    target.mkdir(parents=True)
-    (target / "config.json").write_text('{"model_type": "llama"}')
+    flags = sys.argv[3:]
+    if "--loras-only" not in flags:
+        target.mkdir(parents=True)
+        (target / "config.json").write_text('{"model_type": "llama"}')
+    for name in (flag.removeprefix("--lora=") for flag in flags if flag.startswith("--lora=")):
+        (target / "loras" / name).mkdir(parents=True)
+        (target / "loras" / name / "adapter_config.json").write_text('{"r": 8}')
     return 0
 
 

@@ -15,8 +15,8 @@ from testkit.upctl import REPO
 EXAMPLES = sorted((REPO / "deploy/local").glob("*.yaml"))
 
 
-def test_there_are_two_examples() -> None:
-    assert {path.name for path in EXAMPLES} == {"tiny-disaggregated.yaml", "tiny-aggregated.yaml"}
+def test_there_are_three_examples() -> None:
+    assert {path.name for path in EXAMPLES} == {"tiny-disaggregated.yaml", "tiny-aggregated.yaml", "tiny-lora.yaml"}
 
 
 @pytest.mark.parametrize("path", EXAMPLES, ids=lambda path: path.name)
