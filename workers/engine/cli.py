@@ -2,6 +2,10 @@
 
     splitserve worker --role prefill -f deployment.yaml [--port N] [--model PATH] [--cpu]
     splitserve worker --role decode -- --model /models/llama --port 8000 ...
+    splitserve worker ... --adapters-file /etc/splitserve/adapters/adapters.json
+
+With --adapters-file the worker also keeps vLLM's LoRA adapters equal to that file at run time
+(adapters.py), and sets VLLM_ALLOW_RUNTIME_LORA_UPDATING for it.
 
 With -f the vLLM arguments are built from an InferenceDeployment file (the same builder the operator
 uses); after `--` they are the arguments the operator rendered into the pod. Settings that would make
@@ -15,6 +19,7 @@ so, so that Kubernetes restarts the pod at once instead of after the startup pro
 from __future__ import annotations
 
 import argparse
+import logging
 import os
 import shlex
 import sys
@@ -37,6 +42,25 @@ from splitserve.engine.launcher import (
 from splitserve.engine.listener import EXIT_LISTENER_DEAD
 
 PROG = "splitserve worker"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
+
+
+def adapters_warning(plan: LaunchPlan, adapters_file: str | None) -> str | None:
+    """A line to print when an adapters file is given to an engine that cannot load adapters."""
+    if adapters_file is None or "--enable-lora" in plan.vllm_args:
+        return None
+    return f"warning: --adapters-file {adapters_file} without --enable-lora: vLLM will refuse every adapter"
+
+
+def _log_adapters() -> None:
+    """The adapter sync's lines on stderr, among vLLM's, as the worker's own lines are."""
+    logger = logging.getLogger("splitserve.engine")
+    if not logger.handlers:
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(logging.Formatter(f"{PROG}: %(message)s"))
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -66,6 +90,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
         default=0.0,
         metavar="SECONDS",
         help="on SIGTERM, wait up to this long for running requests to finish and held KV to be pulled",
+    )
+    parser.add_argument(
+        "--adapters-file",
+        metavar="PATH",
+        help='keep the engine\'s LoRA adapters equal to this JSON file, at run time ({"adapters": [{"name", '
+        '"path" | "huggingFace": {"repo", "revision"}}]}; read every 2 s; needs --enable-lora)',
     )
     parser.add_argument("--dry-run", action="store_true", help="print the command and environment, start nothing")
     parser.add_argument("vllm_args", nargs="*", metavar="VLLM_ARGS", help="vLLM server arguments after --")
@@ -137,6 +167,9 @@ def build_plan(args: argparse.Namespace, environ: dict[str, str]) -> LaunchPlan:
         launch_env = {}
     else:
         raise LaunchError("nothing to run: give -f SPEC.yaml or vLLM arguments after --")
+    if args.adapters_file:
+        # The adapter sync loads and unloads through vLLM's runtime LoRA API, which this turns on.
+        launch_env = {RUNTIME_LORA_ENV: "True", **launch_env}
     return LaunchPlan(role=role, vllm_args=vllm_args, env=engine_environment(environ, launch_env, cpu=args.cpu))
 
 
@@ -158,4 +191,9 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: error: {error}", file=sys.stderr)
         return 1
     print(f"{PROG}: starting vLLM ({plan.role}) on port {plan.port}: {shlex.join(plan.argv)}", file=sys.stderr)
-    return run_engine(plan, drain_timeout_s=args.drain_timeout)
+    if args.adapters_file:
+        _log_adapters()
+        warning = adapters_warning(plan, args.adapters_file)
+        if warning is not None:
+            print(f"{PROG}: {warning}", file=sys.stderr)
+    return run_engine(plan, drain_timeout_s=args.drain_timeout, adapters_file=args.adapters_file)

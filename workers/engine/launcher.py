@@ -26,6 +26,7 @@ import httpx
 
 from splitserve.api.spec import Connector, Role
 from splitserve.builders.vllm_args import option_value
+from splitserve.engine.adapters import AdapterSyncThread
 from splitserve.engine.drain import wait_until_drained
 from splitserve.engine.listener import (
     EXIT_LISTENER_DEAD,
@@ -239,12 +240,14 @@ def run_engine(
     drain_timeout_s: float = 0.0,
     stop_grace_s: float = STOP_GRACE_SECONDS,
     probe_interval_s: float = LISTENER_PROBE_SECONDS,
+    adapters_file: str | None = None,
 ) -> int:
     """Run vLLM to completion, forwarding SIGTERM/SIGINT; returns its exit status (128+N if killed by N).
 
     With a drain timeout, the first SIGTERM is held until the engine is idle (see drain.py) or the
     timeout passes, then forwarded; SIGINT, or a second SIGTERM, is forwarded at once. When the NIXL
     side-channel listener dies, vLLM is stopped and the status is EXIT_LISTENER_DEAD, with one line.
+    With an adapters file, the adapter sync (adapters.py) runs beside vLLM in a thread of its own.
     """
     started: list[subprocess.Popen[bytes]] = []
     early: list[int] = []  # signals that arrived before the engine existed
@@ -254,6 +257,11 @@ def run_engine(
     # Set once the engine is being stopped, by us or by a signal: its listener closing is then expected.
     stopping = threading.Event()
     side_channel = plan.side_channel()
+    adapter_sync = (
+        AdapterSyncThread(f"http://{LOOPBACK}:{plan.port}", adapters_file, environ=plan.env)
+        if adapters_file is not None
+        else None
+    )
 
     def report(message: str) -> None:
         failures.append(message)
@@ -317,6 +325,8 @@ def run_engine(
             threading.Thread(
                 target=watch_listener, args=(side_channel, health, stopping, report), kwargs=watch, daemon=True
             ).start()
+        if adapter_sync is not None:
+            adapter_sync.start()
         for signum in early:
             process.send_signal(signum)
         # Wake for whichever comes first: vLLM exiting, or its listener found dead.
@@ -329,6 +339,8 @@ def run_engine(
         for thread in pumps:
             thread.join(_OUTPUT_FLUSH_SECONDS)  # the rest of vLLM's output first, so our line is the last
     finally:
+        if adapter_sync is not None:
+            adapter_sync.stop()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
     if failures:
