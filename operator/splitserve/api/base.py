@@ -15,9 +15,21 @@ SINGULAR = "inferencedeployment"
 SHORT_NAMES = ["idep"]
 
 
-def cel(rule: str, message: str, *, field_path: str | None = None, reason: str | None = None) -> dict[str, str]:
-    """One `x-kubernetes-validations` entry (a CEL rule with the message a person reads)."""
+def cel(
+    rule: str,
+    message: str,
+    *,
+    field_path: str | None = None,
+    reason: str | None = None,
+    message_expression: str | None = None,
+) -> dict[str, str]:
+    """One `x-kubernetes-validations` entry (a CEL rule with the message a person reads).
+
+    `message_expression`: a CEL expression giving the message from the object (naming the offending
+    value); `message` stays as the fallback when it fails to evaluate."""
     entry = {"rule": rule, "message": message}
+    if message_expression:
+        entry["messageExpression"] = message_expression
     if field_path:
         entry["fieldPath"] = field_path
     if reason:

@@ -43,6 +43,13 @@ PRINTER_COLUMNS: list[dict[str, Any]] = [
     {"name": "Endpoint", "type": "string", "jsonPath": ".status.endpoint"},
     {"name": "Generation", "type": "string", "jsonPath": ".status.kvGeneration", "priority": 1},
     {"name": "Diagnosis", "type": "string", "jsonPath": ".status.diagnosis.summary", "priority": 1},
+    {
+        "name": "Adapters",
+        "type": "string",
+        "jsonPath": '.status.conditions[?(@.type=="AdaptersReady")].status',
+        "description": "spec.adapters: whether every worker serves every adapter (status.adapters says which not)",
+        "priority": 1,
+    },
     {"name": "Age", "type": "date", "jsonPath": ".metadata.creationTimestamp"},
 ]
 

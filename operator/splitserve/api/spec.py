@@ -33,6 +33,11 @@ Quantity = Annotated[
 Opaque = Annotated[dict[str, Any], WithJsonSchema({"type": "object", "x-kubernetes-preserve-unknown-fields": True})]
 MAX_POOL_REPLICAS = 1000  # a pool's replica fields' upper bound (the schema's `maximum`)
 DNS_LABEL = r"^[a-z0-9]([-a-z0-9]*[a-z0-9])?$"
+# What clients may put in the OpenAI `model` field: the served model's name and each adapter's.
+MODEL_NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$"
+MODEL_NAME_MAX_LENGTH = 128
+# spec.adapters' bound: keeps the CEL rules over the list (uniqueness) within the API server's cost budget.
+MAX_ADAPTERS = 64
 
 
 class Mode(StrEnum):
@@ -81,8 +86,11 @@ ROUTING_POLICY_HELP = (
 
 
 class SecretKeyRef(ApiModel):
-    name: str = Field(description="Name of a Secret in the InferenceDeployment's namespace.", min_length=1)
-    key: str = Field("token", description="Key inside the Secret.", min_length=1)
+    # Bounded, as Kubernetes bounds them: CEL rules compare these (spec.adapters' one HF token).
+    name: str = Field(
+        description="Name of a Secret in the InferenceDeployment's namespace.", min_length=1, max_length=253
+    )
+    key: str = Field("token", description="Key inside the Secret.", min_length=1, max_length=253)
 
 
 class HuggingFaceSource(ApiModel):
@@ -92,8 +100,10 @@ class HuggingFaceSource(ApiModel):
 
 
 class PvcSource(ApiModel):
-    claim_name: str = Field(description="PersistentVolumeClaim holding the model files.", pattern=DNS_LABEL)
-    path: str = Field("/", description="Directory of the model inside the volume.")
+    claim_name: str = Field(
+        description="PersistentVolumeClaim holding the files (the model's, or an adapter's).", pattern=DNS_LABEL
+    )
+    path: str = Field("/", description="Directory of the model (or adapter) inside the volume.")
 
 
 class ModelSource(ApiModel):
@@ -115,8 +125,8 @@ class ModelSpec(ApiModel):
     name: str = Field(
         description="Served model name: what clients put in the OpenAI `model` field.",
         min_length=1,
-        max_length=128,
-        pattern=r"^[A-Za-z0-9][A-Za-z0-9._/:-]*$",
+        max_length=MODEL_NAME_MAX_LENGTH,
+        pattern=MODEL_NAME_PATTERN,
         json_schema_extra=immutable(
             "model.name is immutable: clients and dashboards key on it; create a new InferenceDeployment"
         ),
@@ -183,6 +193,36 @@ class EngineWaits(ApiModel):
     )
 
 
+class LoraSpec(ApiModel):
+    """vLLM's LoRA limits for every engine; used only when spec.adapters declares an adapter."""
+
+    model_config = cel_rules(
+        cel(
+            "self.maxCpuLoras >= self.maxLoras",
+            "engine.lora.maxCpuLoras must be at least engine.lora.maxLoras (vLLM refuses to start otherwise)",
+            field_path=".maxCpuLoras",
+        )
+    )
+
+    max_loras: int = Field(
+        4,
+        ge=1,
+        le=256,
+        description="Adapters one batch may mix (vLLM --max-loras); each takes a slot of accelerator memory "
+        "sized by maxRank. Requests for more adapters at once wait for a slot.",
+    )
+    max_rank: Literal[1, 8, 16, 32, 64, 128, 256, 320, 512] = Field(
+        16, description="Highest adapter rank the engines accept (vLLM --max-lora-rank): a higher one fails to load."
+    )
+    max_cpu_loras: int = Field(
+        8,
+        ge=1,
+        le=1024,
+        description="Adapters an engine keeps in CPU memory (vLLM --max-cpu-loras), a least-recently-used "
+        "cache: declared adapters beyond it stay loaded by name and are read again from their path when used.",
+    )
+
+
 class EngineSpec(ApiModel):
     image: str | None = Field(
         None,
@@ -214,6 +254,10 @@ class EngineSpec(ApiModel):
         le=65535,
         description="Port of vLLM's KV-cache event publisher (ZMQ) in the workers of a pool routed "
         "precise-prefix; only the router pods may reach it. Unused by other policies.",
+    )
+    lora: LoraSpec = Field(
+        default_factory=LoraSpec,
+        description="LoRA limits of every engine. LoRA is on exactly when spec.adapters is non-empty.",
     )
 
 
@@ -539,7 +583,56 @@ class RolloutSpec(ApiModel):
     )
 
 
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+class AdapterSource(ApiModel):
+    """Where an adapter's files are: like model.source, read by each worker when it loads the adapter."""
+
+    model_config = cel_rules(
+        cel(
+            "[has(self.huggingFace), has(self.pvc), has(self.uri)].filter(x, x).size() == 1",
+            "an adapter's source needs exactly one of huggingFace, pvc or uri",
+        )
+    )
+
+    hugging_face: HuggingFaceSource | None = Field(
+        None, description="Download from the Hugging Face Hub (each worker, when it loads the adapter)."
+    )
+    pvc: PvcSource | None = Field(
+        None,
+        description="A PersistentVolumeClaim holding the adapter (adapter_config.json and its weights) at `path`, "
+        "mounted read-only in every worker.",
+    )
+    uri: str | None = Field(
+        None, min_length=1, description="A path vLLM loads the adapter from as is (e.g. a directory in the image)."
+    )
+
+
+class AdapterSpec(ApiModel):
+    model_config = cel_rules(
+        cel(
+            f"self.name.matches('{MODEL_NAME_PATTERN}')",
+            "an adapter's name must be a valid model name, as model.name: a letter or digit, then letters, digits "
+            "and . _ / : -",
+            field_path=".name",
+            message_expression="'adapter name \"' + self.name + '\" is not a valid model name, as model.name: "
+            "a letter or digit, then letters, digits and . _ / : -'",
+        )
+    )
+
+    name: str = Field(
+        min_length=1,
+        max_length=MODEL_NAME_MAX_LENGTH,
+        description="What clients put in the OpenAI `model` field to use this adapter (on the base model.name).",
+    )
+    source: AdapterSource
+
+
 # --------------------------------------------------------------------------- root
+
+# Whether `{}` (the model, an adapter) downloads with an HF token, for CEL.
+_HF_TOKEN = "has({0}.source.huggingFace) && has({0}.source.huggingFace.tokenSecretRef)"
 
 
 class InferenceDeploymentSpec(ApiModel):
@@ -564,6 +657,30 @@ class InferenceDeploymentSpec(ApiModel):
             f"with spec.gateway in disaggregated mode the decode pods' pd-sidecar listens on port {PD_SIDECAR_PORT}: "
             "engine.port, kvTransfer.sideChannelPort and engine.kvEventsPort must differ from it",
             field_path=".gateway",
+        ),
+        cel(
+            "!has(self.adapters) || self.adapters.all(a, self.adapters.exists_one(b, b.name == a.name))",
+            "adapters[].name must be unique: clients pick an adapter by its name",
+            field_path=".adapters",
+            message_expression="'adapter \"' + self.adapters.filter(a, self.adapters.filter(b, b.name == a.name)"
+            ".size() > 1)[0].name + '\" is declared twice: adapters[].name must be unique (clients pick an "
+            "adapter by its name)'",
+        ),
+        cel(
+            "!has(self.adapters) || self.adapters.all(a, a.name != self.model.name)",
+            "an adapter's name must differ from model.name: clients choose the base model or an adapter by name",
+            field_path=".adapters",
+            message_expression="'adapter \"' + self.model.name + '\" has the name of the base model (model.name): "
+            "clients choose the base model or an adapter by name'",
+        ),
+        cel(
+            f"!has(self.adapters) || self.adapters.all(a, !({_HF_TOKEN.format('a')}) || "
+            f"((!({_HF_TOKEN.format('self.model')}) || self.model.source.huggingFace.tokenSecretRef == "
+            f"a.source.huggingFace.tokenSecretRef) && self.adapters.all(b, !({_HF_TOKEN.format('b')}) || "
+            "b.source.huggingFace.tokenSecretRef == a.source.huggingFace.tokenSecretRef)))",
+            "every huggingFace.tokenSecretRef (model.source and adapters[].source) must name the same Secret and "
+            "key: a worker downloads with one HF_TOKEN",
+            field_path=".adapters",
         ),
     )
 
@@ -590,4 +707,12 @@ class InferenceDeploymentSpec(ApiModel):
         description="Serve behind a cluster's Gateway too (Gateway API Inference Extension): an InferencePool "
         "of the serving pods, its endpoint picker, in disaggregated mode a P/D sidecar on decode pods, and "
         "optionally an HTTPRoute. The router keeps serving beside it.",
+    )
+    adapters: list[AdapterSpec] = Field(
+        default_factory=list,
+        max_length=MAX_ADAPTERS,
+        description="LoRA adapters of the base model, each served under its own name. Non-empty: every worker "
+        "runs with LoRA on (engine.lora) and loads each adapter at run time, so changing this list rolls no pod "
+        "and starts no KV generation; the router sends a request for an adapter only to workers that loaded it. "
+        "status.adapters says how many workers serve each.",
     )

@@ -14,7 +14,7 @@ from typing import Literal
 from pydantic import Field
 
 from splitserve.api.base import ApiModel
-from splitserve.api.spec import Opaque
+from splitserve.api.spec import MAX_ADAPTERS, MODEL_NAME_MAX_LENGTH, Opaque
 
 
 class ConditionType(StrEnum):
@@ -25,6 +25,8 @@ class ConditionType(StrEnum):
     PROGRESSING = "Progressing"
     DEGRADED = "Degraded"
     AUTOSCALING_ACTIVE = "AutoscalingActive"
+    # Only while spec.adapters declares any: whether every worker serves every adapter.
+    ADAPTERS_READY = "AdaptersReady"
 
 
 ConditionStatus = Literal["True", "False", "Unknown"]
@@ -144,6 +146,20 @@ class RolloutStatus(ApiModel):
     summary: str = Field("", description="One line for kubectl columns, e.g. 3f2a9c01d4 1/2 (67% traffic).")
 
 
+class AdapterStatus(ApiModel):
+    """One declared LoRA adapter, as the serving workers report it (their splitserve.io/AdaptersReady
+    pod conditions)."""
+
+    name: str = Field(max_length=MODEL_NAME_MAX_LENGTH)
+    ready_workers: int = Field(0, ge=0, description="Serving workers that have loaded the adapter.")
+    workers: int = Field(0, ge=0, description="Serving workers (ready pods of every worker pool).")
+    reason: str = Field(
+        "",
+        description="AdapterLoaded, AdapterLoading, AdapterLoadFailed, MissingVolumeClaim or NoWorkers.",
+    )
+    message: str = Field("", max_length=4096, description="Why it is not loaded everywhere, in words.")
+
+
 class InferenceDeploymentStatus(ApiModel):
     observed_generation: int = 0
     conditions: list[Condition] = Field(default_factory=list)
@@ -160,6 +176,9 @@ class InferenceDeploymentStatus(ApiModel):
     kv_generation: str = Field("", description="The KV generation the spec asks for (api/generation.py).")
     generations: list[GenerationStatus] = Field(default_factory=list, max_length=8)
     rollout: RolloutStatus | None = None
+    adapters: list[AdapterStatus] = Field(
+        default_factory=list, max_length=MAX_ADAPTERS, description="Each adapter of spec.adapters on the workers."
+    )
 
     def with_condition(
         self,
@@ -182,6 +201,10 @@ class InferenceDeploymentStatus(ApiModel):
             observed_generation=generation,
         )
         return self.model_copy(update={"conditions": merge_condition(self.conditions, condition)})
+
+    def without_condition(self, kind: ConditionType | str) -> InferenceDeploymentStatus:
+        """A copy without the condition of type `kind` (a part that no longer exists, e.g. adapters)."""
+        return self.model_copy(update={"conditions": [c for c in self.conditions if c.type != str(kind)]})
 
 
 @dataclass(frozen=True)

@@ -36,6 +36,18 @@ ANNOTATION_ROLLOUT_TARGET = f"{API_GROUP}/rollout-target-replicas"
 SCALE_FIELD_MANAGER = "splitserve-scaler"
 # The decode pods' pd-sidecar port (spec.gateway, disaggregated mode): the InferencePool's target.
 PD_SIDECAR_PORT_NAME = "pd-proxy"
+# spec.adapters (LoRA): the adapters file, key of the ConfigMap `<name>-adapters` mounted in every worker
+# pod, which `splitserve worker --adapters-file` keeps the engine's adapters in step with at run time.
+ADAPTERS_FILE_KEY = "adapters.json"
+ADAPTERS_MOUNT_PATH = "/etc/splitserve/adapters"
+ADAPTERS_FILE_PATH = f"{ADAPTERS_MOUNT_PATH}/{ADAPTERS_FILE_KEY}"
+# The condition each worker sets on its own pod (patching pods/status) with what its adapter sync achieved:
+# status True with ADAPTERS_LOADED, else False with ADAPTERS_LOADING or ADAPTER_LOAD_FAILED and a message of
+# `<adapter>: <why>` entries joined by "; ". The operator rolls them up into status.adapters.
+ADAPTERS_CONDITION = f"{API_GROUP}/AdaptersReady"
+ADAPTERS_LOADED = "AdaptersLoaded"
+ADAPTERS_LOADING = "AdaptersLoading"
+ADAPTER_LOAD_FAILED = "AdapterLoadFailed"
 INFERENCE_POOL_API_VERSION = "inference.networking.k8s.io/v1"
 HTTP_ROUTE_API_VERSION = "gateway.networking.k8s.io/v1"
 
@@ -45,6 +57,7 @@ CHILD_RESOURCES: list[tuple[str, str, str]] = [
     ("apps", "v1", "deployments"),
     ("", "v1", "services"),
     ("", "v1", "serviceaccounts"),
+    ("", "v1", "configmaps"),
     ("rbac.authorization.k8s.io", "v1", "roles"),
     ("rbac.authorization.k8s.io", "v1", "rolebindings"),
     ("policy", "v1", "poddisruptionbudgets"),
@@ -108,6 +121,27 @@ DECODE_SIDECAR_ACCOUNT_SUFFIX = "-decode-sidecar"
 def decode_sidecar_account(owner_name: str) -> str:
     """The decode pods' ServiceAccount when they carry the pd-sidecar, which reads the pods' generations."""
     return owner_name + DECODE_SIDECAR_ACCOUNT_SUFFIX
+
+
+# The worker pods of every InferenceDeployment (the operator watches these pods only: status.adapters).
+WORKER_POD_SELECTOR = f"{LABEL_DEPLOYMENT},{LABEL_ROLE} in ({','.join(sorted(role.value for role in Role))})"
+WORKERS_ACCOUNT_SUFFIX = "-workers"
+
+
+def workers_account(owner_name: str) -> str:
+    """The worker pods' ServiceAccount when adapters are declared: it may patch the pods' status, where each
+    worker reports its adapters (ADAPTERS_CONDITION). Decode pods with the pd-sidecar keep theirs, bound too."""
+    return owner_name + WORKERS_ACCOUNT_SUFFIX
+
+
+def adapters_config_map_name(owner_name: str) -> str:
+    """The ConfigMap holding the adapters file (ADAPTERS_FILE_KEY)."""
+    return f"{owner_name}-adapters"
+
+
+def serves_adapters(spec: InferenceDeploymentSpec) -> bool:
+    """Whether LoRA is on: the engines, the router and the picker serve adapters exactly when some are declared."""
+    return bool(spec.adapters)
 
 
 def prefill_service_name(owner_name: str) -> str:

@@ -23,7 +23,29 @@ QUEUE_FIELD = "spec.router.timeouts.queueSeconds"
 
 def spec_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
     """What to change in one (valid) spec, one Problem per warning."""
-    return [*_cold_start_advice(spec, label), *_precise_prefix_advice(spec, label), *_gateway_advice(spec, label)]
+    return [
+        *_cold_start_advice(spec, label),
+        *_precise_prefix_advice(spec, label),
+        *_gateway_advice(spec, label),
+        *_lora_advice(spec, label),
+    ]
+
+
+def _lora_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:
+    """More adapters than the engines' CPU cache holds: they all serve, but some are read again from disk."""
+    lora = spec.engine.lora
+    if len(spec.adapters) <= lora.max_cpu_loras:
+        return []
+    return [
+        Problem(
+            label,
+            "spec.engine.lora.maxCpuLoras",
+            f"{lora.max_cpu_loras} is fewer than the {len(spec.adapters)} adapters declared: every adapter is "
+            "served, but an engine keeps only the most recently used maxCpuLoras in CPU memory and reads the "
+            "others from their path again when a request needs them (a pause of that request). Raise it to "
+            f"{len(spec.adapters)} if the workers' memory allows.",
+        )
+    ]
 
 
 def _gateway_advice(spec: InferenceDeploymentSpec, label: str) -> list[Problem]:

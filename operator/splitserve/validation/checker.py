@@ -137,8 +137,22 @@ def _cel_problems(obj: dict[str, Any], old: dict[str, Any] | None, label: str) -
             continue
         if ok is not True:
             field_path = rule.get("fieldPath", "")
-            problems.append(Problem(label, _json_path(path) + field_path, rule["message"]))
+            problems.append(Problem(label, _json_path(path) + field_path, _message(rule, context)))
     return problems
+
+
+def _message(rule: Mapping[str, str], context: dict[str, Any]) -> str:
+    """A failed rule's message: its messageExpression's when it gives a non-empty string, as on an API server,
+    else its message."""
+    expression = rule.get("messageExpression")
+    if expression:
+        try:
+            text = cel_evaluate(expression, context)
+        except Exception:  # an API server falls back to `message` the same way
+            text = None
+        if isinstance(text, str) and text.strip():
+            return text
+    return rule["message"]
 
 
 def label_for(index: int, obj: Any) -> str:
