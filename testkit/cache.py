@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Any
 
 from splitserve.api.base import API_GROUP, API_VERSION, PLURAL
-from splitserve.api.topology import CHILD_RESOURCES, LABEL_DEPLOYMENT
+from splitserve.api.topology import CHILD_RESOURCES, LABEL_DEPLOYMENT, WORKER_POD_SELECTOR
+from splitserve.controller.adapters import slim_pod
 from splitserve.controller.cache import ClusterCache
 from testkit.emulator.client import ApiError, AsyncEmulatorClient, resource_path
 
@@ -31,7 +32,7 @@ async def _listed(
 
 
 async def fill_cache(cache: ClusterCache, api: AsyncEmulatorClient, namespace: str) -> None:
-    """What a synced watch would show for `namespace`: its InferenceDeployments and their children."""
+    """What a synced watch would show for `namespace`: its InferenceDeployments, their children and worker pods."""
     deployments: dict[Any, list[dict[str, Any]]] = {}
     for obj in await _listed(api, f"{API_GROUP}/{API_VERSION}", PLURAL, namespace, None):
         deployments[(namespace, obj["metadata"]["name"])] = [obj]
@@ -41,5 +42,8 @@ async def fill_cache(cache: ClusterCache, api: AsyncEmulatorClient, namespace: s
         for obj in await _listed(api, api_version, plural, namespace, LABEL_DEPLOYMENT):
             owner = obj["metadata"]["labels"][LABEL_DEPLOYMENT]
             children.setdefault((namespace, owner), []).append(obj)
-    cache.bind(deployments, children)
+    pods: dict[Any, list[dict[str, Any]]] = {}
+    for obj in await _listed(api, "v1", "pods", namespace, WORKER_POD_SELECTOR):
+        pods.setdefault((namespace, obj["metadata"]["labels"][LABEL_DEPLOYMENT]), []).append(slim_pod(obj))
+    cache.bind(deployments, children, pods)
     cache.synced = True

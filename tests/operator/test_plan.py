@@ -140,8 +140,8 @@ def test_prune_takes_owned_strays_of_prunable_kinds_only() -> None:
     role = copy.deepcopy(dict(cluster[("rbac.authorization.k8s.io/v1", "Role", "demo-router")]))
     role["metadata"]["name"] = "demo-old-role"
     # A kind the builders never emit is never ours to delete, even with our owner reference.
-    config_map = {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {**role["metadata"], "name": "demo-cm"}}
-    strays = [stray, foreign, role, config_map]
+    secret = {"apiVersion": "v1", "kind": "Secret", "metadata": {**role["metadata"], "name": "demo-secret"}}
+    strays = [stray, foreign, role, secret]
     cluster.update({child_key(obj): obj for obj in strays})
     wanted = {child_key(child) for child in desired(spec)}
     assert [obj["metadata"]["name"] for obj in plan_prune(cluster, wanted, OWNER)] == ["demo-old", "demo-old-role"]

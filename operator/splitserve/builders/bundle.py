@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from splitserve.api.topology import router_name, worker_roles
+from splitserve.builders.adapters import build_adapters_config_map, build_workers_rbac
 from splitserve.builders.autoscalers import autoscaler_objects, is_autoscaler
 from splitserve.builders.disruption import build_pdbs
 from splitserve.builders.gateway import (
@@ -27,6 +28,9 @@ def build_children(target: Target) -> list[dict[str, Any]]:
     return [
         *build_router_rbac(target),
         *build_gateway_rbac(target),
+        # Before the worker pods that mount the adapters file and use the account.
+        *build_workers_rbac(target),
+        *build_adapters_config_map(target),
         *build_worker_services(target),
         build_router_service(target),
         *build_gateway_services(target),

@@ -29,6 +29,7 @@ from splitserve.builders.router import (
     front_pod_spec,
     image_security_context,
     leg_timeout_args,
+    lora_flag,
     pod_discovery_args,
     pod_reader_rbac,
     router_args,
@@ -86,6 +87,7 @@ def pd_sidecar_container(target: Target) -> dict[str, Any]:
             # of its own generation (a label, read from the pod itself through the downward API).
             *pod_discovery_args(target),
             "--generation=$(SPLITSERVE_GENERATION)",
+            *lora_flag(spec),
             *leg_timeout_args(spec),
             f"--drain-seconds={PD_SIDECAR_EXIT_SECONDS}",
         ],

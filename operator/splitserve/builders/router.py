@@ -14,6 +14,7 @@ from splitserve.api.topology import (
     pod_labels,
     router_name,
     selector_labels,
+    serves_adapters,
 )
 from splitserve.builders.target import Target, metadata
 from splitserve.builders.vllm_args import model_location, model_volume
@@ -27,13 +28,14 @@ IMAGE_USER_ID = 10001
 def router_args(spec: InferenceDeploymentSpec, *, host: str, port: int, workers: Sequence[str]) -> list[str]:
     """The flags of `splitserve router` for a deployment: where it listens, the model it serves, then
     `workers` (where the workers are: discovery in a cluster, static URLs locally), then the routing
-    policies, admission and timeouts of `spec.router`. The Deployment's container and `splitserve up`
-    both start the router with these."""
+    policies, admission and timeouts of `spec.router`; `--lora` with spec.adapters. The Deployment's container
+    and `splitserve up` both start the router with these (and the endpoint picker, spec.gateway)."""
     router = spec.router
     return [
         f"--host={host}",
         f"--port={port}",
         f"--model={spec.model.name}",
+        *lora_flag(spec),
         *workers,
         f"--prefill-policy={router.routing_policy.prefill}",
         f"--decode-policy={router.routing_policy.decode}",
@@ -42,6 +44,12 @@ def router_args(spec: InferenceDeploymentSpec, *, host: str, port: int, workers:
         *leg_timeout_args(spec),
         f"--disagg-threshold-tokens={router.disaggregation_threshold_tokens}",
     ]
+
+
+def lora_flag(spec: InferenceDeploymentSpec) -> list[str]:
+    """`--lora` when adapters are declared: the router (picker, pd-sidecar) learns each worker's adapters from
+    its /v1/models and sends a request for an adapter only to workers that serve it."""
+    return ["--lora"] if serves_adapters(spec) else []
 
 
 def leg_timeout_args(spec: InferenceDeploymentSpec) -> list[str]:

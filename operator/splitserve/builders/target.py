@@ -36,6 +36,9 @@ class Target:
     owner: Owner
     spec: InferenceDeploymentSpec
     images: Images = Images()
+    # PersistentVolumeClaims of spec.adapters that the cluster lacks (the reconciler looks): their adapters
+    # are left out of the pods and the adapters file, so a missing claim never keeps a worker from starting.
+    unavailable_claims: frozenset[str] = frozenset()
 
     @cached_property
     def generation(self) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, Role
-from splitserve.api.topology import publishes_kv_events, role_pool
+from splitserve.api.topology import publishes_kv_events, role_pool, serves_adapters
 from splitserve.engine.wait_settings import WaitSettings
 
 # Where the operator mounts a model PVC inside worker pods.
@@ -33,6 +33,8 @@ KV_EVENTS_TOPIC = "kv"
 # (canonical CBOR then SHA-256; vLLM's default sha256 hashes pickled objects) for consumers that key on
 # them. splitserve's router recomputes its own keys from the events' token ids and does not need it.
 KV_EVENTS_HASH_ALGO = "sha256_cbor"
+# Lets an engine load and unload LoRA adapters at run time (POST /v1/load_lora_adapter, /v1/unload_lora_adapter).
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 @dataclass(frozen=True)
@@ -147,6 +149,25 @@ def kv_events_args(spec: InferenceDeploymentSpec, role: Role, *, port: int | Non
     the engine simulator take the same flag."""
     events = kv_events_config(spec, role, port=port)
     return ["--kv-events-config", _json(events)] if events is not None else []
+
+
+def lora_args(spec: InferenceDeploymentSpec) -> list[str]:
+    """vLLM's LoRA flags with spec.engine.lora's limits when adapters are declared, else nothing.
+
+    No --lora-modules: the adapters are loaded at run time from the adapters file (builders.adapters), so
+    that a change of the list changes no argument and rolls no pod."""
+    if not serves_adapters(spec):
+        return []
+    lora = spec.engine.lora
+    return [
+        "--enable-lora",
+        "--max-loras",
+        str(lora.max_loras),
+        "--max-lora-rank",
+        str(lora.max_rank),
+        "--max-cpu-loras",
+        str(lora.max_cpu_loras),
+    ]
 
 
 # --------------------------------------------------------------------------- argument lists
@@ -274,6 +295,7 @@ def build_engine_launch(
     if transfer is not None:
         args += ["--kv-transfer-config", _json(transfer)]
     args += kv_events_args(spec, role, port=kv_events_port)
+    args += lora_args(spec)
     args += engine.extra_args
     args += pool.extra_args
     return EngineLaunch(args=args, env=engine_env(spec, role))
@@ -302,6 +324,8 @@ def engine_env(spec: InferenceDeploymentSpec, role: Role) -> dict[str, str]:
     waits = engine_waits(spec, role)
     if waits is not None:
         env.update(waits.to_env())
+    if serves_adapters(spec):
+        env[RUNTIME_LORA_ENV] = "True"
     for var in spec.engine.env:
         if var.value is not None:
             env[var.name] = var.value

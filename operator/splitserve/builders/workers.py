@@ -4,6 +4,8 @@ A Deployment is named `<name>-<role>-<generation>` (api/generation.py): a change
 field names new Deployments, which the controller brings up beside the old ones (make-before-break).
 Within a generation, each pool's pod template depends only on the spec fields that affect that
 pool, so a change to, say, the decode pool's max batch size rolls decode pods and nothing else.
+With spec.adapters the pods also read the adapters file and report what they loaded (builders.adapters);
+which adapters are declared is not in the template, so changing the list rolls nothing.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from typing import Any
 from splitserve.api.generation import generation_inputs
 from splitserve.api.spec import Connector, InferenceDeploymentSpec, PoolSpec, Role
 from splitserve.api.topology import (
+    ADAPTERS_FILE_PATH,
     ANNOTATION_DECLARED_REPLICAS,
     ANNOTATION_GENERATION_INPUTS,
     KV_EVENTS_PORT_NAME,
@@ -23,9 +26,12 @@ from splitserve.api.topology import (
     generation_pool_name,
     publishes_kv_events,
     role_pool,
+    serves_adapters,
     worker_pod_labels,
     worker_selector_labels,
+    workers_account,
 )
+from splitserve.builders.adapters import adapter_volumes, adapters_token_ref
 from splitserve.builders.gateway import PD_SIDECAR_EXIT_SECONDS, has_pd_sidecar, pd_sidecar_container
 from splitserve.builders.target import Target, metadata
 from splitserve.builders.vllm_args import build_engine_launch, model_volume
@@ -49,10 +55,13 @@ def _env(spec: InferenceDeploymentSpec, engine_env: dict[str, str], generation: 
         # The pod's KV generation, also its label: lets the worker's logs and answers say which it is.
         {"name": "SPLITSERVE_GENERATION", "value": generation},
     ]
+    if serves_adapters(spec):
+        # The adapter sync patches its own pod's status: which pod, in which namespace.
+        env.append({"name": "POD_NAMESPACE", "valueFrom": {"fieldRef": {"fieldPath": "metadata.namespace"}}})
     env += [{"name": name, "value": value} for name, value in sorted(engine_env.items())]
-    source = spec.model.source
-    if source.hugging_face and source.hugging_face.token_secret_ref:
-        ref = source.hugging_face.token_secret_ref
+    # The model's token, else the adapters' (one Secret for both: a CEL rule).
+    ref = adapters_token_ref(spec)
+    if ref is not None:
         env.append({"name": "HF_TOKEN", "valueFrom": {"secretKeyRef": {"name": ref.name, "key": ref.key}}})
     for var in spec.engine.env:
         if var.value_from is not None:
@@ -70,7 +79,8 @@ def _resources(pool: PoolSpec) -> dict[str, Any]:
     return {"requests": requests, "limits": limits}
 
 
-def _volumes(spec: InferenceDeploymentSpec, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+def _volumes(target: Target, pool: PoolSpec) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    spec = target.spec
     volumes: list[dict[str, Any]] = [
         {"name": "dshm", "emptyDir": {"medium": "Memory", "sizeLimit": str(pool.resources.shared_memory)}},
         {"name": "hf-cache", "emptyDir": {}},
@@ -83,7 +93,8 @@ def _volumes(spec: InferenceDeploymentSpec, pool: PoolSpec) -> tuple[list[dict[s
     if model is not None:
         volumes.append(model[0])
         mounts.append(model[1])
-    return volumes, mounts
+    adapters = adapter_volumes(target)
+    return volumes + adapters[0], mounts + adapters[1]
 
 
 def _probe(path: str, port_name: str, period: int, failures: int) -> dict[str, Any]:
@@ -114,16 +125,25 @@ def _ports(spec: InferenceDeploymentSpec, role: Role) -> list[dict[str, Any]]:
     return ports
 
 
-def _container(spec: InferenceDeploymentSpec, role: Role, image: str, generation: str) -> dict[str, Any]:
+def _worker_args(spec: InferenceDeploymentSpec, role: Role, pool: PoolSpec) -> list[str]:
+    """`splitserve worker`'s own flags (before `--` and vLLM's)."""
+    args = ["--role", str(role), f"--drain-timeout={_drain_seconds(pool)}"]
+    if serves_adapters(spec):
+        args.append(f"--adapters-file={ADAPTERS_FILE_PATH}")
+    return args
+
+
+def _container(target: Target, role: Role, image: str, generation: str) -> dict[str, Any]:
+    spec = target.spec
     pool = role_pool(spec, role)
     launch = build_engine_launch(spec, role)
-    volumes_mounts = _volumes(spec, pool)[1]
+    volumes_mounts = _volumes(target, pool)[1]
     return {
         "name": "engine",
         "image": image,
         "imagePullPolicy": spec.engine.image_pull_policy,
         "command": ["splitserve", "worker"],
-        "args": ["--role", str(role), f"--drain-timeout={_drain_seconds(pool)}", "--", *launch.args],
+        "args": [*_worker_args(spec, role, pool), "--", *launch.args],
         "env": _env(spec, launch.env, generation),
         "ports": _ports(spec, role),
         "resources": _resources(pool),
@@ -142,13 +162,17 @@ def build_worker_deployment(target: Target, role: Role) -> dict[str, Any]:
     name = target.owner.name
     generation = target.generation
     pool = role_pool(spec, role)
-    volumes = _volumes(spec, pool)[0]
+    volumes = _volumes(target, pool)[0]
     pod_spec: dict[str, Any] = {
-        "containers": [_container(spec, role, spec.engine.image or target.images.worker, generation)],
+        "containers": [_container(target, role, spec.engine.image or target.images.worker, generation)],
         "volumes": volumes,
         "terminationGracePeriodSeconds": pool.termination_grace_period_seconds,
         "enableServiceLinks": False,
     }
+    if serves_adapters(spec):
+        # It may patch the pods' status, where the adapter sync reports (decode pods with the pd-sidecar keep
+        # the sidecar's account, bound to the same Role).
+        pod_spec["serviceAccountName"] = workers_account(name)
     if has_pd_sidecar(target, role):
         # spec.gateway: the Gateway's requests come in through the pd-sidecar, which reads the Pods
         # (the prefill pods' generations) with its own ServiceAccount.

@@ -1,7 +1,8 @@
 """What the operator knows of the cluster without asking: watch-fed indexes plus its own recent writes.
 
 The indexes are kopf's (`@kopf.index` in handlers.py), fed by the watches the operator holds anyway:
-the InferenceDeployments by (namespace, name), and every child kind by (namespace, owner name). kopf
+the InferenceDeployments by (namespace, name), every child kind by (namespace, owner name), and the
+worker pods (a slim copy: name, labels, the Ready and AdaptersReady conditions) by (namespace, owner name). kopf
 runs no handler before every index has been listed once, so whatever reads this cache reads a synced
 one. A watch event lags the write that caused it, though, so the cache also keeps the server's answer
 to each write the operator made (apply, create, scale, status) until the watch has caught up: a
@@ -57,10 +58,13 @@ class ClusterCache:
     clock: Callable[[], float] = time.monotonic
     deployments: Index = field(default_factory=dict)  # (namespace, name) -> [InferenceDeployment]
     children: Index = field(default_factory=dict)  # (namespace, owner) -> [child of any kind]
+    pods: Index = field(default_factory=dict)  # (namespace, owner) -> [slim worker pod]
     _written: dict[ObjectKey, _Written] = field(default_factory=dict)
 
-    def bind(self, deployments: Index, children: Index) -> None:
+    def bind(self, deployments: Index, children: Index, pods: Index | None = None) -> None:
         self.deployments, self.children = deployments, children
+        if pods is not None:
+            self.pods = pods
 
     # ------------------------------------------------------------------ what the operator wrote
 
@@ -113,6 +117,10 @@ class ClusterCache:
             else:
                 result[child_key] = seen
         return result
+
+    def worker_pods(self, namespace: str, owner: str) -> list[dict[str, Any]]:
+        """The owner's worker pods as last watched (slim copies, see controller.adapters.slim_pod)."""
+        return [dict(pod) for pod in self.pods.get((namespace, owner), ())]
 
     def child(self, namespace: str, owner: str, api_version: str, kind: str, name: str) -> dict[str, Any] | None:
         return self.owned(namespace, owner).get((api_version, kind, name))

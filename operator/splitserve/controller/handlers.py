@@ -5,6 +5,9 @@
 - create / update / resume of an InferenceDeployment: full reconcile (with pruning);
 - any event of a child (labelled with its owner): a coalesced reconcile of the owner, which restores
   a child deleted or edited by hand and rolls its status up;
+- the worker pods (an index of slim copies, watched with a server-side label selector): an event of one
+  that reports its adapters (splitserve.io/AdaptersReady) reconciles its owner, whose status.adapters
+  rolls those reports up;
 - a slow timer: the same reconcile from the cache, catching drift missed by nothing in particular;
 - the built-in autoscaler (a daemon), the diagnosis (a slow timer) and, only while
   spec.optimization.dynamic is on, the autopilot (a timer, SPLITSERVE_AUTOPILOT_* knobs);
@@ -24,9 +27,16 @@ from typing import Any
 import kopf
 
 from splitserve.api.base import API_GROUP, API_VERSION, PLURAL
-from splitserve.api.topology import CHILD_RESOURCES, FIELD_MANAGER, LABEL_DEPLOYMENT
+from splitserve.api.topology import (
+    ADAPTERS_CONDITION,
+    CHILD_RESOURCES,
+    FIELD_MANAGER,
+    LABEL_DEPLOYMENT,
+    WORKER_POD_SELECTOR,
+)
 from splitserve.autoscaling.decision import AutoscalerState
 from splitserve.builders.target import Images
+from splitserve.controller.adapters import slim_pod
 from splitserve.controller.coalesce import Coalescer
 from splitserve.controller.loops.analysis import ScalarSource, analyse_once, analysis_settings, interval_seconds
 from splitserve.controller.loops.autopilot import AutopilotSettings, new_samples, optimize_once
@@ -82,10 +92,25 @@ for _group, _version, _plural in CHILD_RESOURCES:
     kopf.index(_group, _version, _plural, labels=CHILD_FILTER, id="owned_children")(_index_children)
 
 
+@kopf.index("", "v1", "pods", labels=CHILD_FILTER)
+async def worker_pods(
+    body: kopf.Body, namespace: str | None, labels: kopf.Labels, memo: kopf.Memo, **_: Any
+) -> dict[Any, Any]:
+    """Worker pods by owner, slim; a change of one that reports adapters asks for a reconcile of its owner
+    (its status.adapters). Pods without the report change nothing the operator writes."""
+    owner = labels[LABEL_DEPLOYMENT]
+    pod = slim_pod(body)
+    reconciler: Reconciler | None = memo.get("reconciler")
+    reports = any(c.get("type") == ADAPTERS_CONDITION for c in pod["status"]["conditions"])
+    if reports and namespace is not None and reconciler is not None and reconciler.cache.synced:
+        memo.coalescer.request(namespace, owner)
+    return {(namespace, owner): pod}
+
+
 def _bind(memo: kopf.Memo, kwargs: Mapping[str, Any]) -> Reconciler:
     """The reconciler, reading kopf's current indexes (handed to every handler as keyword arguments)."""
     reconciler: Reconciler = memo.reconciler
-    reconciler.cache.bind(kwargs["inference_deployments"], kwargs["owned_children"])
+    reconciler.cache.bind(kwargs["inference_deployments"], kwargs["owned_children"], kwargs["worker_pods"])
     reconciler.cache.synced = True  # kopf runs no handler before every index is listed
     return reconciler
 
@@ -107,6 +132,7 @@ async def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) 
     settings.watching.client_timeout = 300
     settings.networking.request_timeout = 60
     settings.batching.error_delays = [1, 2, 5, 10, 20, 30]
+    settings.watching.label_selectors["v1", "pods"] = WORKER_POD_SELECTOR
     # `splitserve operator` puts its metrics (served on --metrics-port) into the memo.
     metrics = memo.get("metrics") or OperatorMetrics()
     reconciler = Reconciler(KubeClient(load_access()), _post_event, Images.from_environment(), metrics)

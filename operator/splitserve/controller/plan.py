@@ -9,7 +9,7 @@ performs what they return.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ from splitserve.api.topology import (
     ANNOTATION_DECLARED_REPLICAS,
     DECODE_SIDECAR_ACCOUNT_SUFFIX,
     ROUTER_ROLE,
+    WORKERS_ACCOUNT_SUFFIX,
     Owner,
     prefill_service_name,
     role_pool,
@@ -31,8 +32,10 @@ from splitserve.api.topology import (
     router_name,
     worker_roles,
 )
+from splitserve.builders.adapters import ADAPTER_CLAIM_VOLUME_PREFIX, ADAPTERS_VOLUME
 from splitserve.builders.bundle import child_key
 from splitserve.builders.gateway import PD_SIDECAR_CONTAINER
+from splitserve.controller.adapters import with_adapters
 from splitserve.controller.children import ChildKey, Children, Write, owned_by, worker_pools, worker_role
 from splitserve.controller.drift import contains
 from splitserve.controller.rollout import RolloutPlan, with_generations
@@ -55,12 +58,14 @@ __all__ = [
 ]
 
 # Kinds whose set of children can change with the spec (mode, monitoring, autoscaling backend, KV
-# generation, gateway): these are pruned. Every kind the builders emit is: with spec.gateway removed,
-# even its ServiceAccounts, Roles and NetworkPolicy go.
+# generation, gateway, adapters): these are pruned. Every kind the builders emit is: with spec.gateway
+# removed, even its ServiceAccounts, Roles and NetworkPolicy go; with spec.adapters emptied, the adapters
+# file's ConfigMap and the workers' account.
 PRUNABLE_KINDS: list[tuple[str, str]] = [
     ("apps/v1", "Deployment"),
     ("v1", "Service"),
     ("v1", "ServiceAccount"),
+    ("v1", "ConfigMap"),
     ("rbac.authorization.k8s.io/v1", "Role"),
     ("rbac.authorization.k8s.io/v1", "RoleBinding"),
     ("policy/v1", "PodDisruptionBudget"),
@@ -97,6 +102,12 @@ def plan_writes(
         if observed is None:
             writes.append(Write("apply", child, None, "Created", f"{child['kind']} {name}"))
         elif not contains(observed, child):
+            if role is not None:
+                # Before the apply: the ops address list items of the template as observed.
+                ops = stale_adapter_volume_ops(observed, child)
+                if ops:
+                    message = f"removed adapter volumes no longer wanted from {child['kind']} {name}"
+                    writes.append(Write("patch", child, None, "Updated", message, ops=tuple(ops)))
             writes.append(Write("apply", child, None, *change_event(observed, child)))
         if observed is not None and role is not None:
             resize = rollout_size(observed, sizes[name]) if name in sizes else plan_size(spec, role, child, observed)
@@ -110,9 +121,10 @@ def plan_writes(
 
 
 def stale_pd_sidecar_ops(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> list[dict[str, Any]]:
-    """JSON patch ops removing the pd-sidecar (spec.gateway) and its ServiceAccount from a worker pool's
-    pod template that no longer wants them; [] when there is nothing of it to remove. Only what the
-    operator put there, each guarded by a `test` op, so nobody else's init container is touched."""
+    """JSON patch ops removing the pd-sidecar (spec.gateway) and the operator's ServiceAccount (the sidecar's,
+    or the workers' of spec.adapters) from a worker pool's pod template that no longer wants them; [] when
+    there is nothing of it to remove. Only what the operator put there, each guarded by a `test` op, so
+    nobody else's init container is touched. A pod naming a pruned account could not be created."""
     have = observed.get("spec", {}).get("template", {}).get("spec", {})
     want = desired["spec"]["template"]["spec"]
     base = "/spec/template/spec"
@@ -127,10 +139,47 @@ def stale_pd_sidecar_ops(observed: Mapping[str, Any], desired: Mapping[str, Any]
         # The whole list when it was the only one: a pod spec holds no empty initContainers.
         ops.append({"op": "remove", "path": path if len(present) > 1 else f"{base}/initContainers"})
     account = have.get("serviceAccountName")
-    if account is not None and account.endswith(DECODE_SIDECAR_ACCOUNT_SUFFIX) and "serviceAccountName" not in want:
+    ours = (DECODE_SIDECAR_ACCOUNT_SUFFIX, WORKERS_ACCOUNT_SUFFIX)
+    if account is not None and account.endswith(ours) and "serviceAccountName" not in want:
         path = f"{base}/serviceAccountName"
         ops += [{"op": "test", "path": path, "value": account}, {"op": "remove", "path": path}]
     return ops
+
+
+def _is_adapter_volume(name: Any) -> bool:
+    return isinstance(name, str) and (name == ADAPTERS_VOLUME or name.startswith(ADAPTER_CLAIM_VOLUME_PREFIX))
+
+
+def _remove_named(path: str, items: list[Any], unwanted: set[str]) -> list[dict[str, Any]]:
+    """Ops removing the items of the list at `path` whose name is in `unwanted`, last first (each removal
+    leaves the earlier indexes in place), each after a `test` of its name."""
+    ops: list[dict[str, Any]] = []
+    for index in reversed(range(len(items))):
+        name = items[index].get("name") if isinstance(items[index], Mapping) else None
+        if name in unwanted:
+            ops.append({"op": "test", "path": f"{path}/{index}/name", "value": name})
+            ops.append({"op": "remove", "path": f"{path}/{index}"})
+    return ops
+
+
+def stale_adapter_volume_ops(observed: Mapping[str, Any], desired: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """JSON patch ops removing from a worker pool's pod template the adapter volumes (spec.adapters: the adapters
+    file's ConfigMap, adapter claims) and their engine mounts that the desired template lacks; [] when none.
+    Like the pd-sidecar, they stay after an apply that leaves them out when the pool was created with them,
+    and a pod that mounts a claim since deleted never starts."""
+    have = observed.get("spec", {}).get("template", {}).get("spec", {})
+    want = desired["spec"]["template"]["spec"]
+    wanted = {volume["name"] for volume in want.get("volumes", [])}
+    volumes = have.get("volumes") or []
+    unwanted = {v.get("name") for v in volumes if _is_adapter_volume(v.get("name")) and v.get("name") not in wanted}
+    if not unwanted:
+        return []
+    base = "/spec/template/spec"
+    ops: list[dict[str, Any]] = []
+    for index, container in enumerate(have.get("containers") or []):
+        mounts = container.get("volumeMounts") or []
+        ops += _remove_named(f"{base}/containers/{index}/volumeMounts", mounts, unwanted)
+    return ops + _remove_named(f"{base}/volumes", volumes, unwanted)
 
 
 def rollout_size(observed: Mapping[str, Any], wanted: int) -> Write | None:
@@ -262,6 +311,8 @@ class StatusInput:
     invalid_overrides: bool = False
     serving_mode: Mode | None = None  # set during a mode switch: the previous mode's pools still serve
     rollout: RolloutPlan | None = None  # the generations' plan: status.kvGeneration, generations, rollout
+    pods: Sequence[Mapping[str, Any]] = ()  # the worker pods (slim), for status.adapters
+    missing_claims: frozenset[str] = frozenset()  # adapter claims the cluster lacks
 
 
 def plan_status(inp: StatusInput) -> StatusPlan:
@@ -310,6 +361,8 @@ def plan_status(inp: StatusInput) -> StatusPlan:
             now=inp.now,
             observed_generation=generation,
         )
+    if inp.spec is not None:
+        status = with_adapters(status, inp.spec, inp.pods, inp.missing_claims, now=inp.now, generation=generation)
     event = None
     if inp.written is not None and previous.autopilot is not None:
         autopilot, event = drop_inactive(inp.written, previous.autopilot, invalid=inp.invalid_overrides)

@@ -26,8 +26,10 @@ from splitserve.api.base import API_GROUP, API_VERSION, KIND
 from splitserve.api.spec import InferenceDeploymentSpec, Mode
 from splitserve.api.status import InferenceDeploymentStatus, Problem
 from splitserve.api.topology import SCALE_FIELD_MANAGER, Owner
+from splitserve.builders.adapters import adapters_token_ref
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.target import Images, Target
+from splitserve.controller.adapters import adapter_claims_to_check
 from splitserve.controller.cache import ClusterCache
 from splitserve.controller.metrics import OperatorMetrics
 from splitserve.controller.plan import (
@@ -150,11 +152,28 @@ class Reconciler:
             return  # nothing to retry: the next spec change triggers a new reconcile
         written = verdict
         spec, invalid = await self._effective(body, written)
+        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        pods = self.cache.worker_pods(owner.namespace, owner.name)
+        # Adapters on a claim the cluster lacks are left out of the pods (status.adapters says so).
+        claims = adapter_claims_to_check(spec, previous, every=prerequisites)
+        missing_claims = await self._missing_claims(claims, owner.namespace)
 
         def status(
             problem: Problem | None, serving_mode: Mode | None = None, rollout: RolloutPlan | None = None
         ) -> StatusInput:
-            return StatusInput(body, children, spec, problem, utc_now(), written, invalid, serving_mode, rollout)
+            return StatusInput(
+                body,
+                children,
+                spec,
+                problem,
+                utc_now(),
+                written,
+                invalid,
+                serving_mode,
+                rollout,
+                pods,
+                missing_claims,
+            )
 
         missing = await self._missing_prerequisites(spec, owner.namespace) if prerequisites else None
         if missing is not None:
@@ -170,8 +189,7 @@ class Reconciler:
             self.metrics.reconciles.labels("degraded").inc()
             return
         # build, then plan the writes against what the cache holds
-        target = Target(owner, spec, self.images)
-        previous = InferenceDeploymentStatus.model_validate(body.get("status") or {})
+        target = Target(owner, spec, self.images, missing_claims)
         # Make-before-break: a new KV generation's pools come up beside the old ones, which drain.
         rollout = plan_rollout(spec, owner, children, target.generation, build_children(target), previous)
         writes = [*plan_writes(spec, rollout.desired, children, rollout.sizes), *rollout.writes]
@@ -317,15 +335,20 @@ class Reconciler:
             return spec, True
         return effective_spec(spec, overrides), False
 
+    async def _missing_claims(self, claims: list[str], namespace: str) -> frozenset[str]:
+        """Those of `claims` (PersistentVolumeClaims) the namespace lacks."""
+        found = [await self.kube.get("v1", "PersistentVolumeClaim", namespace, claim) for claim in claims]
+        return frozenset(claim for claim, obj in zip(claims, found, strict=True) if obj is None)
+
     async def _missing_prerequisites(self, spec: InferenceDeploymentSpec, namespace: str) -> Problem | None:
         source = spec.model.source
-        if source.hugging_face and source.hugging_face.token_secret_ref:
-            ref = source.hugging_face.token_secret_ref
+        # The workers' one HF token: the model's, else the adapters' (their pods could not start without it).
+        ref = adapters_token_ref(spec)
+        if ref is not None:
+            field = "model.source" if source.hugging_face and source.hugging_face.token_secret_ref else "adapters[]"
             secret = await self.kube.get("v1", "Secret", namespace, ref.name)
             if secret is None:
-                return Problem(
-                    "MissingSecret", f"Secret {ref.name} (model.source.huggingFace.tokenSecretRef) not found"
-                )
+                return Problem("MissingSecret", f"Secret {ref.name} ({field}.huggingFace.tokenSecretRef) not found")
             if ref.key not in (secret.get("data") or {}) and ref.key not in (secret.get("stringData") or {}):
                 return Problem("MissingSecretKey", f"Secret {ref.name} has no key {ref.key!r}")
         if source.pvc is not None:

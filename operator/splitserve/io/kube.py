@@ -21,6 +21,7 @@ from splitserve.kubeconfig import KubeAccess
 PLURALS: dict[tuple[str, str], str] = {
     ("v1", "Service"): "services",
     ("v1", "ServiceAccount"): "serviceaccounts",
+    ("v1", "ConfigMap"): "configmaps",
     ("v1", "Secret"): "secrets",
     ("v1", "PersistentVolumeClaim"): "persistentvolumeclaims",
     ("v1", "Pod"): "pods",
