@@ -1,4 +1,4 @@
-"""spec.adapters (LoRA): the CEL rules and their messages, what every worker role, the router, the endpoint
+"""spec.adapters (LoRA; the CEL rules are test_lora_api.py's): what every worker role, the router, the endpoint
 picker and the pd-sidecar get, the adapters file and its ConfigMap, the workers' account, which changes roll
 pods and which only change the ConfigMap (none changes the KV generation), the prune and template clean-up
 when adapters go, and the roll-up of the workers' AdaptersReady pod conditions into status.adapters."""
@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import argparse
 import copy
+import io
 import json
+from contextlib import redirect_stdout
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -18,6 +21,7 @@ from splitserve.api.topology import ADAPTERS_CONDITION, LABEL_DEPLOYMENT, LABEL_
 from splitserve.builders.adapters import adapters_file
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.target import Target
+from splitserve.commands import diff as diff_command
 from splitserve.controller.adapters import adapter_statuses, adapters_condition, failure_messages, with_adapters
 from splitserve.controller.plan import (
     PRUNABLE_KINDS,
@@ -358,3 +362,17 @@ def test_the_example_validates_and_renders_every_lora_object() -> None:
         assert_valid_kubernetes(child)  # strictly, against the upstream schemas
     kinds = {(child["kind"], child["metadata"]["name"]) for child in children}
     assert {("ConfigMap", "llama-lora-adapters"), ("Role", "llama-lora-workers")} <= kinds
+
+
+def test_diff_names_the_adapters_and_says_no_pod_rolls(tmp_path: Path) -> None:
+    old, new = tmp_path / "old.yaml", tmp_path / "new.yaml"
+    old.write_text(json.dumps(lora_doc(HUB, ON_CLAIM)))
+    new.write_text(json.dumps(lora_doc(IN_IMAGE, {**ON_CLAIM, "name": "moved"})))
+    out = io.StringIO()
+    with redirect_stdout(out):
+        code = diff_command.run(argparse.Namespace(old=str(old), new=str(new), worker_image="w:1", exit_code=True))
+    text = out.getvalue()
+    assert code == 0, text
+    assert "same generation: no pod rolls" in text and "pods that roll" not in text
+    assert "adapters: hub, on-claim -> in-image, moved" in text
+    assert "load and unload them at run time from ConfigMap demo-adapters" in text

@@ -21,7 +21,7 @@ from typing import Any
 
 from splitserve.api.generation import generation_changes, generation_inputs
 from splitserve.api.spec import InferenceDeploymentSpec
-from splitserve.api.topology import LABEL_ROLE
+from splitserve.api.topology import LABEL_ROLE, adapters_config_map_name
 from splitserve.builders.bundle import build_children
 from splitserve.builders.target import Images, Target
 from splitserve.commands.common import UserError
@@ -93,6 +93,13 @@ def _other_changes(
         governing = _governing_input(path, new_inputs)
         if governing is not None and old_inputs.get(governing) != new_inputs.get(governing):
             continue  # listed with the generation's changes
+        if path == "adapters":  # by name: a list of sources reads badly on one line
+            old_names, new_names = (", ".join(a.name for a in spec.adapters) or "(none)" for spec in (old, new))
+            if old_names != new_names:
+                changes.append(f"adapters: {old_names} -> {new_names}")
+            else:
+                changes.append(f"adapters: {new_names} (their sources changed)")
+            continue
         changes.append(f"{path}: {_show(before.get(path))} -> {_show(after.get(path))}")
     return changes
 
@@ -158,6 +165,11 @@ def render_report(diff: SpecDiff, old: Target, new: Target, old_file: str, new_f
     lines += [f"  {change}" for change in diff.other_changes]
     if diff.rolled:
         lines.append(f"pods that roll: {', '.join(diff.rolled)}")
+    if old.spec.adapters != new.spec.adapters and new.spec.adapters:
+        lines.append(
+            f"adapters: the workers load and unload them at run time from ConfigMap "
+            f"{adapters_config_map_name(new.owner.name)} (docs/lora.md)"
+        )
     return "\n".join(lines) + "\n"
 
 
