@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from tests.vllm.engines import splitserve_command
-from tests.vllm.fleet import ADAPTERS, Fleet, start_fleet, stop_fleet
+from tests.vllm.fleet import ADAPTERS, RUNTIME_ADAPTER, Fleet, start_fleet, stop_fleet
 
 # About 30 s on an idle 2-core machine; each engine is three Python processes importing torch and vLLM,
 # so on a machine busy with other work start-up can take several minutes.
@@ -30,9 +30,10 @@ def _tiny_model(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
     cache = getattr(request.config, "cache", None)
     base = cache.mkdir("splitserve-tiny-model") if cache is not None else tmp_path_factory.mktemp("tiny")
     directory = Path(base) / f"seed-{TINY_MODEL_SEED}"
-    loras = [flag for name in ADAPTERS for flag in ("--lora", name)]
+    names = (*ADAPTERS, RUNTIME_ADAPTER)
+    loras = [flag for name in names for flag in ("--lora", name)]
     built = (directory / "model.safetensors").exists() and (directory / "tokenizer.json").exists()
-    if not built or not all((directory / "loras" / name / "adapter_config.json").exists() for name in ADAPTERS):
+    if not built or not all((directory / "loras" / name / "adapter_config.json").exists() for name in names):
         only = ["--loras-only"] if built else []  # a model kept from an earlier run stays as it is
         command = splitserve_command("tiny-model", str(directory), "--seed", str(TINY_MODEL_SEED), *loras, *only)
         subprocess.run(command, check=True, capture_output=True, timeout=300)

@@ -43,6 +43,8 @@ MODEL = "tiny-llama"  # spec.model.name of deploy/local/tiny-lora.yaml
 # The LoRA adapters deploy/local/tiny-lora.yaml declares (`splitserve tiny-model --lora` builds them into
 # the model's folder, loras/NAME); every engine of the fleet serves both beside the base model.
 ADAPTERS = ("tiny-lora-a", "tiny-lora-b")
+# Built beside them, served by nobody at start: test_lora_real adds it to the aggregated engines at run time.
+RUNTIME_ADAPTER = "tiny-lora-c"
 # tiny-disaggregated.yaml's stack with the two adapters: every fleet test runs on LoRA-enabled engines.
 STACK_FILE = REPO / "deploy/local/tiny-lora.yaml"
 READY_LINE = re.compile(r"\[\s*([\d.]+)s\] all (\d+) processes ready \((\d+) MiB resident\)")
@@ -129,12 +131,19 @@ def _start_stack(model_dir: Path, work: Path) -> UpRun:
     )  # fmt: skip
 
 
+def write_adapters_file(path: Path, model_dir: Path, names: tuple[str, ...]) -> None:
+    """The aggregated engines' adapters file (`splitserve worker --adapters-file`), replaced atomically."""
+    entries = [{"name": name, "path": str(model_dir / "loras" / name)} for name in names]
+    partial = path.with_suffix(".partial")
+    partial.write_text(json.dumps({"adapters": entries}))
+    partial.replace(path)
+
+
 def _start_aggregated(model_dir: Path, work: Path, timeout: float) -> list[Future[Engine]]:
     spec = work / "aggregated.yaml"
     spec.write_text(AGGREGATED_SPEC.format(name=MODEL, model=model_dir))
+    write_adapters_file(work / "adapters.json", model_dir, ADAPTERS)
     adapters = work / "adapters.json"
-    entries = [{"name": name, "path": str(model_dir / "loras" / name)} for name in ADAPTERS]
-    adapters.write_text(json.dumps({"adapters": entries}))
 
     def flags() -> list[str]:
         return ["--kv-cache-bytes", AGGREGATED_KV_BYTES, "--kv-events-port", str(free_port()),
