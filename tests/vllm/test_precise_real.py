@@ -292,6 +292,16 @@ async def router(pair: Pair, *flags: str) -> AsyncIterator[RouterProcess]:
             await process.wait()
 
 
+async def both_joined(http: aiohttp.ClientSession, front: RouterProcess, engine: Engine, stream: Stream) -> None:
+    """Probe until our subscription to ``engine``'s events and the router's both carry events."""
+    await joined(http, engine.url, stream)
+    for _ in range(100):
+        if await front.seq(http, engine.url) >= 0:
+            return
+        await complete(http, engine.url, prompt_of(200, f"router-probe-{time.monotonic_ns()}"), 1)
+        await asyncio.sleep(0.1)
+
+
 async def served(http: aiohttp.ClientSession, engine: Engine) -> tuple[float, float]:
     """(requests finished, prefix-cache hit tokens), from vLLM's own /metrics."""
     async with http.get(engine.url + "/metrics") as response:
@@ -318,12 +328,7 @@ async def test_a_family_goes_where_it_is_cached_and_leaves_when_it_is_evicted(pa
     async with aiohttp.ClientSession() as http, streams(a.url, b.url) as (on_a, on_b), router(pair) as front:
         # The router subscribes as it starts; probe until both its subscriptions and ours carry events.
         for engine, stream in ((a, on_a), (b, on_b)):
-            await joined(http, engine.url, stream)
-            for _ in range(100):
-                if await front.seq(http, engine.url) >= 0:
-                    break
-                await complete(http, engine.url, prompt_of(200, f"router-probe-{time.monotonic_ns()}"), 1)
-                await asyncio.sleep(0.1)
+            await both_joined(http, front, engine, stream)
         family_ids = await tokens(http, a.url, {"prompt": family})
         await complete(http, a.url, members[0])  # warm A directly
         await until(lambda: bool(family_hashes(on_a, family_ids)), "A storing the family")
@@ -358,12 +363,7 @@ async def test_an_adapters_cached_prompt_is_a_hit_for_that_adapter_only(pair: Pa
     adapter, other = ADAPTERS
     prompt = prompt_of(420, f"lora-family-{time.monotonic_ns()}")
     async with aiohttp.ClientSession() as http, streams(a.url) as (on_a,), router(pair, "--lora") as front:
-        await joined(http, a.url, on_a)
-        for _ in range(100):
-            if await front.seq(http, a.url) >= 0:
-                break
-            await complete(http, a.url, prompt_of(200, f"router-probe-{time.monotonic_ns()}"), 1)
-            await asyncio.sleep(0.1)
+        await both_joined(http, front, a, on_a)
         since = len(on_a.events())
         await complete(http, a.url, prompt, model=adapter)  # warm A directly, under the adapter
 
