@@ -114,3 +114,29 @@ async def test_without_lora_the_router_refuses_adapter_names(adapter_dirs: dict[
     ):
         status, answer = await post(http, url, "a")
         assert status == 404 and answer["error"]["code"] == "model_not_found"
+
+
+async def test_affinity_prefers_the_worker_where_the_adapter_is_active(adapter_dirs: dict[str, str]) -> None:
+    """As llm-d's LoRA-affinity scorer: of the workers serving b, the one whose engine reports b running
+    (vllm:lora_requests_info) gets b's requests while it is not overloaded."""
+    async with (
+        lora_sim("decode", adapter_dirs, "a", "b") as first,
+        lora_sim("decode", adapter_dirs, "a", "b") as second,
+    ):
+        # A long poll interval: the test sets what the engines would report, and no poll overwrites it.
+        config = router_config(lora=True, models_poll_interval=3600.0, decode_urls=(first.url, second.url))
+        async with running_router(config) as (router, url), aiohttp.ClientSession() as http:
+            await wait_until(lambda: router.decode.models_known and router.decode.serves("b"))
+            active = router.decode.find(second.url)
+            assert active is not None
+            active.active_adapters = frozenset({"b"})
+            before = served(first), served(second)
+            for i in range(20):
+                status, _ = await post(http, url, "b", f"{PROMPT} {i}")
+                assert status == 200
+            assert (served(first) - before[0], served(second) - before[1]) == (0, 20)
+            active.active_adapters = frozenset()
+            before = served(first), served(second)
+            for i in range(40):
+                await post(http, url, "b", f"{PROMPT} again {i}")
+            assert served(first) > before[0] and served(second) > before[1], "without affinity both serve b"
