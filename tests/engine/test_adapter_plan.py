@@ -69,11 +69,11 @@ def test_models_and_vllms_error_messages() -> None:
             {"id": "b", "parent": "base"},
         ]
     }
-    assert parse_models(body) == EngineModels(
+    assert parse_models(json.dumps(body).encode()) == EngineModels(
         frozenset({"base"}), {"a": AdapterCard("/adapters/a", "base"), "b": AdapterCard(None, "base")}
     )
     with pytest.raises(ValueError):
-        parse_models({"detail": "nope"})
+        parse_models(b'{"detail": "nope"}')
     vllm = '{"error": {"message": "Loading lora b failed: No adapter found for /b", "type": "NotFoundError"}}'
     assert error_message(404, vllm) == "Loading lora b failed: No adapter found for /b"
     assert error_message(400, '{"message": "old style"}') == "old style"

@@ -12,11 +12,9 @@ from collections.abc import Collection, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-# The condition a worker sets on its own Pod (pods/status) for the operator to aggregate.
-CONDITION_TYPE = "splitserve.io/AdaptersReady"
-REASON_LOADED = "AdaptersLoaded"
-REASON_LOADING = "AdaptersLoading"
-REASON_FAILED = "AdapterLoadFailed"
+# The pod condition's reasons are the operator's (api.topology), which reads them back.
+from splitserve.api.topology import ADAPTER_LOAD_FAILED, ADAPTERS_LOADED, ADAPTERS_LOADING
+from splitserve.router.adapters import parse_models as parse_model_cards
 
 
 class AdaptersFileError(ValueError):
@@ -109,21 +107,15 @@ class EngineModels:
     adapters: Mapping[str, AdapterCard]
 
 
-def parse_models(body: Any) -> EngineModels:
-    """Read an OpenAI /v1/models answer; ValueError if it is not one."""
-    if not isinstance(body, dict) or not isinstance(body.get("data"), list):
-        raise ValueError('not an OpenAI model list (no "data" list)')
+def parse_models(body: bytes) -> EngineModels:
+    """Read an OpenAI /v1/models answer (the router's reading of it); ValueError if it is not one."""
     base: set[str] = set()
     adapters: dict[str, AdapterCard] = {}
-    for card in body["data"]:
-        if not isinstance(card, dict) or not isinstance(card.get("id"), str):
-            continue
-        parent = card.get("parent")
-        if isinstance(parent, str) and parent:
-            root = card.get("root")
-            adapters[card["id"]] = AdapterCard(root if isinstance(root, str) else None, parent)
+    for card in parse_model_cards(body):
+        if card.parent:
+            adapters[card.id] = AdapterCard(card.root, card.parent)
         else:
-            base.add(card["id"])
+            base.add(card.id)
     return EngineModels(frozenset(base), adapters)
 
 
@@ -241,8 +233,9 @@ def adapters_condition(state: AdaptersState) -> Condition:
     reads it per adapter); the others name the adapters loaded or still loading.
     """
     if state.failed:
-        return Condition("False", REASON_FAILED, "; ".join(f"{name}: {why}" for name, why in state.failed.items()))
+        failures = "; ".join(f"{name}: {why}" for name, why in state.failed.items())
+        return Condition("False", ADAPTER_LOAD_FAILED, failures)
     if state.pending:
-        return Condition("False", REASON_LOADING, f"loading {', '.join(state.pending)}")
+        return Condition("False", ADAPTERS_LOADING, f"loading {', '.join(state.pending)}")
     loaded = ", ".join(state.loaded)
-    return Condition("True", REASON_LOADED, f"loaded {loaded}" if loaded else "no adapters listed")
+    return Condition("True", ADAPTERS_LOADED, f"loaded {loaded}" if loaded else "no adapters listed")

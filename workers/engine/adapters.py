@@ -348,7 +348,7 @@ class AdapterSync:
         if response.status_code != 200:
             raise EngineUnavailable(f"GET /v1/models: HTTP {response.status_code}")
         try:
-            return parse_models(response.json())
+            return parse_models(response.content)
         except ValueError as error:
             raise EngineUnavailable(f"GET /v1/models: {error}") from error
 

@@ -31,7 +31,13 @@ from pydantic import ValidationError
 
 from splitserve.api.base import KIND
 from splitserve.api.spec import InferenceDeploymentSpec, Role
-from splitserve.builders.vllm_args import CPU_DEFAULT_KV_CACHE_BYTES, build_engine_launch, cpu_engine_args, with_option
+from splitserve.builders.vllm_args import (
+    CPU_DEFAULT_KV_CACHE_BYTES,
+    RUNTIME_LORA_ENV,
+    build_engine_launch,
+    cpu_engine_args,
+    with_option,
+)
 from splitserve.engine.launcher import (
     LaunchError,
     LaunchPlan,
@@ -42,7 +48,6 @@ from splitserve.engine.launcher import (
 from splitserve.engine.listener import EXIT_LISTENER_DEAD
 
 PROG = "splitserve worker"
-RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 
 
 def adapters_warning(plan: LaunchPlan, adapters_file: str | None) -> str | None:

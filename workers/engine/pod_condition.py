@@ -21,7 +21,8 @@ from typing import Any
 
 import httpx
 
-from splitserve.engine.adapter_plan import CONDITION_TYPE, AdaptersState, Condition, adapters_condition
+from splitserve.api.topology import ADAPTERS_CONDITION
+from splitserve.engine.adapter_plan import AdaptersState, Condition, adapters_condition
 from splitserve.kubeconfig import KubeAccess, load_access
 
 log = logging.getLogger(__name__)
@@ -37,7 +38,7 @@ def condition_patch(condition: Condition, last_transition: str) -> dict[str, Any
         "status": {
             "conditions": [
                 {
-                    "type": CONDITION_TYPE,
+                    "type": ADAPTERS_CONDITION,
                     "status": condition.status,
                     "reason": condition.reason,
                     "message": condition.message,
