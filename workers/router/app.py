@@ -253,15 +253,14 @@ class Router:
 
     async def models(self, request: Request) -> None:
         if self.config.model:
-            card: dict[str, object] = {"id": self.config.model, "object": "model", "created": 0}
-            card["owned_by"] = "splitserve"
-            cards = [card]
-            if self.config.lora:
-                # The adapters the workers themselves list, each with its base model as parent.
-                for name, adapter in sorted(self.decode.model_cards().items()):
-                    cards.append({"id": name, "object": "model", "created": 0, "owned_by": "splitserve",
-                                  "parent": adapter.parent, "root": adapter.root})  # fmt: skip
-                card["parent"] = None
+            if not self.config.lora:
+                cards = [_model_card(self.config.model)]
+            else:
+                # The base model, then the adapters the workers themselves list, each with its parent.
+                adapters = sorted(self.decode.model_cards().items())
+                cards = [_model_card(self.config.model, parent=None)] + [
+                    _model_card(name, parent=adapter.parent, root=adapter.root) for name, adapter in adapters
+                ]
             request.respond_json({"object": "list", "data": cards})
             return
         for worker in self.decode.workers:
@@ -418,6 +417,11 @@ class Router:
             # that knows no prefixes (or a fallback) is no miss.
             self.metrics.model_prefix_lookup_tokens.labels(label).inc(ctx.routing.prompt_tokens)
             self.metrics.model_prefix_hit_tokens.labels(label).inc(min(hits, ctx.routing.prompt_tokens))
+
+
+def _model_card(model_id: str, **extra: object) -> dict[str, object]:
+    """One entry of the router's own /v1/models answer (OpenAI's model object)."""
+    return {"id": model_id, "object": "model", "created": 0, "owned_by": "splitserve", **extra}
 
 
 def routes(router: Router) -> dict[str, dict[str, Handler]]:

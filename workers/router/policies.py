@@ -117,16 +117,19 @@ class KvAware:
         return chosen
 
 
+def load_limit(candidates: Sequence[W], balance_ratio: float, balance_slack: int) -> float:
+    """In-flight count above which a candidate is overloaded: ``least * balance_ratio + balance_slack``."""
+    return min(c.inflight for c in candidates) * balance_ratio + balance_slack
+
+
 def longest_match_within_load(
     candidates: Sequence[W], match: Callable[[W], int], balance_ratio: float, balance_slack: int
-) -> list[W]:
-    """The candidates with the longest ``match`` among those not overloaded, then the fewest in flight.
-
-    A candidate is overloaded above ``least * balance_ratio + balance_slack`` in flight, so a hot
-    prefix spills onto more workers (which then cache it too) instead of piling onto one.
+) -> tuple[list[W], int]:
+    """The candidates with the longest ``match`` among those not overloaded (load_limit), then the fewest
+    in flight, and that match: a hot prefix spills onto more workers (which then cache it too) instead of
+    piling onto one.
     """
-    least = min(c.inflight for c in candidates)
-    limit = least * balance_ratio + balance_slack
+    limit = load_limit(candidates, balance_ratio, balance_slack)
     best_match = -1
     best: list[W] = []
     for candidate in candidates:
@@ -138,7 +141,7 @@ def longest_match_within_load(
         elif length == best_match:
             best.append(candidate)
     fewest = min(c.inflight for c in best)
-    return [c for c in best if c.inflight == fewest]
+    return [c for c in best if c.inflight == fewest], best_match
 
 
 class PrefixAware:
@@ -179,12 +182,11 @@ class PrefixAware:
 
     def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
         hashes = request.block_hashes
-        ties = longest_match_within_load(
+        ties, self.last_matched_blocks = longest_match_within_load(
             candidates, lambda c: self.matched_blocks(c.key, hashes), self._balance_ratio, self._balance_slack
         )
         chosen = ties[self._cursor % len(ties)]
         self._cursor += 1
-        self.last_matched_blocks = self.matched_blocks(chosen.key, hashes)
         self._remember(chosen.key, hashes)
         return chosen
 
@@ -257,7 +259,7 @@ class PrecisePrefix:
 
     def choose(self, candidates: Sequence[W], request: RoutingRequest) -> W:
         keys_by_size: dict[int, tuple[int, ...]] = {}  # the request's keys, computed once per block size
-        ties = longest_match_within_load(
+        ties, self.last_matched_tokens = longest_match_within_load(
             candidates,
             lambda c: self.matched_tokens(c.key, request, keys_by_size),
             self._balance_ratio,
@@ -265,7 +267,6 @@ class PrecisePrefix:
         )
         chosen = ties[self._cursor % len(ties)]
         self._cursor += 1
-        self.last_matched_tokens = self.matched_tokens(chosen.key, request, keys_by_size)
         return chosen
 
 
@@ -278,7 +279,7 @@ def prefer_active_adapter(
     active = [c for c in candidates if is_active(c)]
     if not active or len(active) == len(candidates):
         return candidates
-    limit = min(c.inflight for c in candidates) * balance_ratio + balance_slack
+    limit = load_limit(candidates, balance_ratio, balance_slack)
     within = [c for c in active if c.inflight <= limit]
     return within or candidates
 
