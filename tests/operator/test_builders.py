@@ -23,7 +23,7 @@ from splitserve.api.topology import (
 from splitserve.builders.bundle import build_children, child_key
 from splitserve.builders.target import Target
 from splitserve.validation import validate_object
-from tests.operator.helpers import EXAMPLES, assert_valid_kubernetes, load, minimal
+from tests.operator.helpers import AGGREGATED, EXAMPLES, assert_valid_kubernetes, load, minimal
 
 OWNER = Owner("demo", "ns", "0b3f5a8e-1111-2222-3333-444455556666")
 
@@ -350,11 +350,10 @@ def test_precise_prefix_pool_publishes_kv_events_on_a_named_port() -> None:
 
 
 def test_aggregated_pool_follows_the_decode_policy() -> None:
-    aggregated = {"mode": "aggregated", "kvTransfer": {"connector": "None"}}
-    children = _by_name(minimal(**aggregated, router={"routingPolicy": {"decode": "precise-prefix"}}))
+    children = _by_name(minimal(**AGGREGATED, router={"routingPolicy": {"decode": "precise-prefix"}}))
     assert _option(_container(_worker(children, "aggregated"))["args"], "--kv-events-config") is not None
     # The prefill policy routes no pool in aggregated mode: asking it for precise-prefix changes no worker.
-    children = _by_name(minimal(**aggregated, router={"routingPolicy": {"prefill": "precise-prefix"}}))
+    children = _by_name(minimal(**AGGREGATED, router={"routingPolicy": {"prefill": "precise-prefix"}}))
     assert _option(_container(_worker(children, "aggregated"))["args"], "--kv-events-config") is None
     assert len(children["NetworkPolicy/demo-workers"]["spec"]["ingress"]) == 1
 

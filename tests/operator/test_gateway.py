@@ -24,7 +24,7 @@ from splitserve.controller.plan import plan_prune, stale_pd_sidecar_ops
 from splitserve.validation import validate_object
 from splitserve.validation.advice import object_advice
 from tests.operator.fake_cluster import FakeCluster
-from tests.operator.helpers import REPO, assert_valid_kubernetes, load, minimal
+from tests.operator.helpers import AGGREGATED, REPO, assert_valid_kubernetes, load, minimal
 from tests.operator.test_builders import _by_name, _container, _option, _worker, target_of
 from tests.operator.test_plan import OWNER, cluster_for, desired, spec_of
 from tests.operator.test_reconcile_calls import (
@@ -38,7 +38,6 @@ from tests.operator.test_reconcile_calls import (
 from tests.operator.upstream_crds import upstream_problems
 
 EXAMPLE = REPO / "deploy" / "examples" / "gateway-disaggregated.yaml"
-AGGREGATED = {"mode": "aggregated", "kvTransfer": {"connector": "None"}}
 ROUTE = {
     "parentRefs": [{"name": "gw", "namespace": "gateway-ns", "sectionName": "http"}],
     "hostnames": ["llm.example.com"],

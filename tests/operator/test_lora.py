@@ -33,13 +33,12 @@ from splitserve.controller.plan import (
 from splitserve.validation import validate_object
 from splitserve.validation.advice import object_advice
 from tests.operator.fake_cluster import FakeCluster
-from tests.operator.helpers import REPO, assert_valid_kubernetes, load, minimal
+from tests.operator.helpers import AGGREGATED, REPO, assert_valid_kubernetes, load, minimal
 from tests.operator.test_builders import OWNER, _by_name, _container, _option, _worker, target_of
 from tests.operator.test_plan import served
 from tests.operator.test_reconcile_calls import NAMESPACE, deployment, owner_of, reconciler_for, watch_catches_up
 
 EXAMPLE = REPO / "deploy" / "examples" / "lora-adapters.yaml"
-AGGREGATED = {"mode": "aggregated", "kvTransfer": {"connector": "None"}}
 HUB = {"name": "hub", "source": {"huggingFace": {"repo": "org/hub-lora", "revision": "v2"}}}
 ON_CLAIM = {"name": "on-claim", "source": {"pvc": {"claimName": "loras", "path": "x/../on-claim"}}}
 IN_IMAGE = {"name": "in-image", "source": {"uri": "/opt/loras/in-image"}}

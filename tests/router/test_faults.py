@@ -10,7 +10,7 @@ import pytest
 
 from splitserve.router.config import RouterConfig
 from splitserve.sim import SimWorker
-from testkit.router import metric_value, router_config, running_router, sim_config
+from testkit.router import metric_value, router_config, running_router, served, sim_config
 from tests.router.conftest import fault, wait_until
 
 
@@ -85,18 +85,10 @@ async def test_failing_worker_is_ejected_then_readmitted() -> None:
                 within=10,
             )
             assert metric_value(router, "splitserve_router_workers", {"pool": "decode", "state": "healthy"}) == 2
-            served_before = _served(bad)
+            served_before = served(bad)
             for _ in range(4):
                 await _post(url + "/v1/completions", COMPLETION)
-            assert _served(bad) > served_before
-
-
-def _served(worker: SimWorker) -> float:
-    total = 0.0
-    for line in worker.metrics_text().splitlines():
-        if line.startswith("vllm:request_success_total"):
-            total += float(line.rsplit(" ", 1)[1])
-    return total
+            assert served(bad) > served_before
 
 
 async def test_all_decode_attempts_failing_is_a_clear_502() -> None:

@@ -13,8 +13,8 @@ from pathlib import Path
 import aiohttp
 import pytest
 
-from testkit.lora import BASE, PROMPT, lora_sim, make_adapter_dirs, post, served
-from testkit.router import metric_value, router_config, running_router, wait_until
+from testkit.lora import BASE, PROMPT, lora_sim, make_adapter_dirs, post
+from testkit.router import metric_value, router_config, running_router, served, wait_until
 
 
 @pytest.fixture
