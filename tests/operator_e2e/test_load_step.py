@@ -5,9 +5,9 @@ subprocesses, a real Prometheus scraping the router and every worker, the router
 (EndpointSlice) discovery, and simulated vLLM workers started by the test whenever a Deployment asks
 for more replicas (the test plays kubelet and the endpoints controller). Both pools start at 1.
 
-1. A prompt-heavy load (long prompts, max_tokens 1, 16 concurrent clients) piles prompts up on the
+1. A prompt-heavy load (long prompts, max_tokens 1, 24 concurrent clients) piles prompts up on the
    prefill worker: the operator scales prefill up on its `prompts` signal while decode stays at 1.
-2. Then an output-heavy load (short prompts, long streamed outputs, 24 concurrent streams) on a
+2. Then an output-heavy load (short prompts, long streamed outputs, 35 concurrent streams) on a
    decode engine that runs at most 4 sequences: requests wait, and the operator scales decode up on
    running+waiting. Every request still goes through prefill (no disaggregation threshold), yet
    prefill does not grow (its scale-down window is longer than the test, so phase 1's growth is
@@ -16,10 +16,10 @@ for more replicas (the test plays kubelet and the endpoints controller). Both po
 What each pool must not do holds by construction, not by when Prometheus happens to scrape: a
 client has one request in flight, so no signal can count more requests than there are clients.
 Phase 1's prefill batches finish several prompts at once and they queue on decode for a moment
-(pulls count as waiting, as WAITING_FOR_REMOTE_KVS does in vLLM); decode's waiting target is the
-phase 1 client count, so that queue can never read as saturation. Phase 2 starts with all 24
-prompts on prefill at once; the prefill target puts 24 prompts exactly at the two replicas phase 1
-grows to (16 prompts need 2, and cannot ask for 3), so prefill cannot grow on them.
+(pulls count as waiting, as WAITING_FOR_REMOTE_KVS does in vLLM); decode's waiting threshold is the
+phase 1 client count, so that queue can never read as saturation. Phase 2 starts with all 35
+prompts on prefill at once; the prefill target puts 35 prompts inside the tolerance band of the two
+replicas phase 1 grows to (24 prompts need 2, and cannot ask for 3), so prefill cannot grow on them.
 
 Every request of both phases must be answered in full, disaggregated (no fallback, no error).
 
@@ -63,17 +63,20 @@ POOL_IPS = {
     "prefill": [f"127.0.0.{31 + i}" for i in range(MAX_REPLICAS)],
     "decode": [f"127.0.0.{41 + i}" for i in range(MAX_REPLICAS)],
 }
-PROMPT_CLIENTS = 16
-STREAM_CLIENTS = 24
+PROMPT_CLIENTS = 24
+STREAM_CLIENTS = 35
 PREFILL_AFTER_PHASE_1 = 2
-# Prefill: prompts (router queue + waiting + running) over 12 per replica. Phase 1's 16 clients ask
-# for ceil(16/12) = 2 replicas and never 3; phase 2's 24 fit those 2 at target, so they ask for no more.
-PREFILL_PROMPTS_PER_REPLICA = STREAM_CLIENTS // PREFILL_AFTER_PHASE_1
-# Decode: at most 4 sequences run per engine. Saturated above 16 waiting per replica: phase 1's 16
-# clients cannot queue more than that, phase 2's 24 streams leave ~20 waiting, and running+waiting
-# = 24 at 4/replica asks for 6, capped at maxReplicas.
+TOLERANCE = 0.1  # spec.autoscaling.tolerance's default: a ratio within 1 +/- 0.1 of target keeps the size
+# Prefill: prompts (router queue + waiting + running) over 16 per replica. Phase 1's 24 clients ask for
+# ceil(24/16) = 2 replicas and never 3; they scale once more than 16 x 1.1 = 17.6 of them are counted, which
+# leaves room for the prompts vLLM's gauges do not show yet (arrived during a step: counted at the next
+# one). Phase 2's 35 prompts sit inside the band at 2 replicas (35 <= 2 x 16 x 1.1), so they ask for no more.
+PREFILL_PROMPTS_PER_REPLICA = 16
+# Decode: at most 4 sequences run per engine. Saturated above 22 x 1.1 = 24.2 waiting per replica: phase
+# 1's 24 clients cannot queue more than that, phase 2's 35 streams leave ~31 waiting, and running+waiting
+# = 35 at 4/replica asks for 9, capped at maxReplicas.
 DECODE_MAX_NUM_SEQS = 4
-DECODE_WAITING_PER_REPLICA = PROMPT_CLIENTS
+DECODE_WAITING_PER_REPLICA = 22
 LONG_PROMPT = "The quick brown fox jumps over the lazy dog " * 110  # ~1000 tokens for the sim's tokenizer
 SHORT_PROMPT = "Tell me a long story."
 OUTPUT_TOKENS = 150
@@ -162,6 +165,7 @@ class LoadStepRig(EmulatedDeployment):
                     "enabled": True,
                     "prometheusUrl": prometheus_url,
                     "intervalSeconds": 1,
+                    "tolerance": TOLERANCE,
                     # Longer than the test: phase 1's prefill growth is still there in phase 2.
                     "scaleDownStabilizationSeconds": 600,
                     "prefill": {"waitingPerReplica": PREFILL_PROMPTS_PER_REPLICA, "ttftSloSeconds": 600},
@@ -322,6 +326,12 @@ async def rig(cluster: tuple[EmulatorProcess, OperatorProcess], tmp_path: Path) 
 
 
 async def test_prompt_heavy_load_scales_prefill_and_output_heavy_load_scales_decode(rig: LoadStepRig) -> None:
+    # The construction the constants promise (see their comments).
+    band = 1 + TOLERANCE
+    prefill_grown = PREFILL_AFTER_PHASE_1 * PREFILL_PROMPTS_PER_REPLICA
+    assert PREFILL_PROMPTS_PER_REPLICA * band < PROMPT_CLIENTS <= prefill_grown
+    assert prefill_grown * band >= STREAM_CLIENTS  # phase 2 stays inside the band at 2 prefill replicas
+    assert PROMPT_CLIENTS <= DECODE_WAITING_PER_REPLICA * band < STREAM_CLIENTS - DECODE_MAX_NUM_SEQS
     router = rig.router
     assert router is not None
     assert await rig.replicas_equal(prefill=1, decode=1)

@@ -13,6 +13,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from sim_helpers import fast_config, plain_values, post, sample
 
 from splitserve.sim import SimWorker, generate_text, tokenize
+from testkit.router import wait_until
 
 EXPECTED_TYPES = {
     "vllm:num_requests_running": "gauge",
@@ -71,6 +72,43 @@ async def test_metrics_have_vllm_names_types_and_labels(http: aiohttp.ClientSess
     assert sample(text, "vllm:request_generation_tokens_sum") == 5
     assert sample(text, "vllm:cache_config_info", block_size="128", num_gpu_blocks="512") == 1
     assert sample(text, "splitserve_sim_steps_total") == 5
+
+
+async def test_queue_gauges_are_the_steps_snapshot_as_vllm_reports_them(http: aiohttp.ClientSession) -> None:
+    # vLLM's running/waiting gauges come from the scheduler's stats after each step; a request that
+    # arrives mid-step is not "waiting" until a schedule fails to admit it. One batch slot and 2 s
+    # decode steps: B arrives during A's step (checked with the step counter, not a clock), is not
+    # counted as waiting, and is counted once the next step's schedule leaves it out (A runs on).
+    base = fast_config(time_scale=1.0)
+    config = dataclasses.replace(
+        base,
+        latency=dataclasses.replace(base.latency, decode_base_s=2.0),
+        limits=dataclasses.replace(base.limits, max_num_seqs=1),
+    )
+    async with SimWorker(config) as worker:
+        engine = worker.engine
+        assert engine is not None
+        body = {"prompt": "first request", "max_tokens": 8, "stream": True}
+        async with http.post(worker.url + "/v1/completions", json=body) as first:
+            await first.content.readline()  # A's first token: its prefill step is done, a decode step runs
+            step = engine.steps
+            second = asyncio.create_task(
+                post(http, worker.url + "/v1/completions", {"prompt": "second", "max_tokens": 1})
+            )
+            await wait_until(lambda: engine.scheduler.num_waiting_for_capacity == 1)
+            mid_step = plain_values(worker.metrics_text())
+            assert engine.steps == step, "the check must fall inside A's decode step"
+            assert mid_step["vllm:num_requests_running"] == 1
+            assert mid_step["vllm:num_requests_waiting"] == 0
+            # The step B arrived in reports the queue its schedule left (B was not there yet); the
+            # next step's schedule finds the slot taken and leaves B waiting.
+            await wait_until(lambda: engine.steps >= step + 2, within=15)
+            after_step = worker.metrics_text()
+            assert sample(after_step, "vllm:num_requests_running") == 1
+            assert sample(after_step, "vllm:num_requests_waiting_by_reason", reason="capacity") == 1
+        # A's client is gone: the engine aborts A and admits B.
+        status, _ = await second
+        assert status == 200
 
 
 async def test_requests_wait_when_kv_is_full_and_complete_later(http: aiohttp.ClientSession) -> None:

@@ -8,6 +8,13 @@ this module has no network code. The prefill side's held KV lives here too.
 
 KV events: as vLLM's scheduler does in ``update_from_output``, the pool's events are drained after
 every step and handed over as one ``KVEventBatch`` when there are any.
+
+Queue gauges: vLLM's running and waiting counts are the scheduler's stats made after each step
+(``make_stats`` in ``update_from_output``), and a request that arrives during a step sits in the
+engine core's input queue, not in ``waiting``, until the next schedule. So a waiting request in
+vLLM's gauge is one the scheduler could not admit, never one that merely arrived mid-step. The
+simulator publishes the same per-step snapshot: a live count would show every mid-step arrival as
+queued, and a machine whose event loop lags would look saturated with free batch slots.
 """
 
 from __future__ import annotations
@@ -142,6 +149,16 @@ class _HeldKV:
     expiry: asyncio.TimerHandle | None = None
 
 
+@dataclass(frozen=True)
+class QueueCounts:
+    """The scheduler's queues as vLLM's SchedulerStats report them: running after the step, waiting
+    (for capacity, and deferred on a KV pull) as left by the step's schedule."""
+
+    running: int = 0
+    waiting_for_capacity: int = 0
+    deferred: int = 0
+
+
 class SimEngine:
     def __init__(
         self, config: SimConfig, engine_id: str, puller: KVPuller, kv_events: KVEventSink | None = None
@@ -158,13 +175,14 @@ class SimEngine:
             config.model,
             config.limits,
             LiveState(
-                running=lambda: float(len(self.scheduler.running)),
-                waiting_for_capacity=lambda: float(self.scheduler.num_waiting_for_capacity),
-                deferred=lambda: float(self.scheduler.num_deferred),
+                running=lambda: float(self._counts.running),
+                waiting_for_capacity=lambda: float(self._counts.waiting_for_capacity),
+                deferred=lambda: float(self._counts.deferred),
                 kv_usage=lambda: self.scheduler.pool.usage,
             ),
             max_loras=max_loras,
         )
+        self._counts = QueueCounts()  # as of the last step (or the last idle check)
         self._requests: dict[Sequence, EngineRequest] = {}
         self._held: dict[tuple[int, ...], _HeldKV] = {}
         self._pull_tasks: set[asyncio.Task[None]] = set()
@@ -362,7 +380,11 @@ class SimEngine:
         while True:
             plan = self.scheduler.schedule()
             self._after_schedule(plan)
+            # Requests the scheduler could not admit: the queue vLLM's stats of this step report.
+            unadmitted = (self.scheduler.num_waiting_for_capacity, self.scheduler.num_deferred)
             if not plan.has_work:
+                # Idle (or stuck: nothing admissible): what is queued now stays queued until a wake.
+                self._counts = QueueCounts(len(self.scheduler.running), *unadmitted)
                 self._wake.clear()
                 await self._wake.wait()
                 deadline = loop.time()
@@ -374,6 +396,7 @@ class SimEngine:
             self.metrics.sim_steps.inc()
             self.metrics.sim_step_lag.inc(max(0.0, loop.time() - deadline))
             self._after_step(plan)
+            self._counts = QueueCounts(len(self.scheduler.running), *unadmitted)
 
     def _after_schedule(self, plan: StepPlan) -> None:
         now = time.monotonic()

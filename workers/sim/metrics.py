@@ -37,7 +37,8 @@ PULL_REFUSALS = ("generation", "unknown_engine", "unknown_blocks", "other_reques
 
 @dataclass(frozen=True)
 class LiveState:
-    """Callables read at scrape time for the gauges (so they never go stale)."""
+    """Callables read at scrape time for the gauges. The engine answers the queue counts from its
+    per-step snapshot (as vLLM's scheduler stats) and KV usage from the pool itself."""
 
     running: Callable[[], float]
     waiting_for_capacity: Callable[[], float]
