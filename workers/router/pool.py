@@ -18,7 +18,7 @@ import collections
 import enum
 import logging
 import time
-from collections.abc import Callable, Coroutine, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from collections.abc import Set as AbstractSet
 
 import aiohttp
@@ -285,10 +285,7 @@ class WorkerPool:
         )
 
     def _close_later(self, worker: Worker) -> None:
-        self._spawn(_close_worker(worker))
-
-    def _spawn(self, coroutine: Coroutine[None, None, None]) -> None:
-        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(coroutine)
+        task: asyncio.Task[None] = asyncio.get_running_loop().create_task(_close_worker(worker))
         self._tasks.append(task)
         task.add_done_callback(self._tasks.remove)
 

@@ -28,6 +28,7 @@ from splitserve.api.topology import (
     LABEL_ROLE,
     serves_adapters,
 )
+from splitserve.builders.adapters import adapter_claims
 
 WORKER_ROLES = frozenset(role.value for role in Role)
 # Per-adapter reasons (status.adapters[].reason).
@@ -203,14 +204,9 @@ def adapter_claims_to_check(
     """The adapter claims a reconcile looks up: all of them when it checks the spec's prerequisites (a new
     spec, a restart), else only those it reported missing, until they appear (one GET each per reconcile,
     only while something is missing). The model's own claim is checked with the model."""
+    claims = adapter_claims(spec)
+    if every:
+        return claims
     missing = {a.name for a in previous.adapters if a.reason == MISSING_CLAIM}
-    model = spec.model.source.pvc
-    return sorted(
-        {
-            adapter.source.pvc.claim_name
-            for adapter in spec.adapters
-            if adapter.source.pvc is not None
-            and (model is None or adapter.source.pvc.claim_name != model.claim_name)
-            and (every or adapter.name in missing)
-        }
-    )
+    reported = {a.source.pvc.claim_name for a in spec.adapters if a.name in missing and a.source.pvc is not None}
+    return [claim for claim in claims if claim in reported]
